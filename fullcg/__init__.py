@@ -1,0 +1,37 @@
+"""fullcg: LLM attention as a first-class citizen of ``torch.compile`` and CUDA graphs.
+
+The public surface:
+
+- :class:`Attention`: the layer a decoder uses for attention;
+- :func:`forward_context`, :class:`AttentionMetadata`, :class:`ForwardMode`: per-step data;
+- :class:`KVCache`: a layer's paged KV cache;
+- :class:`FullCGConfig`, :class:`SkipSoftmaxConfig`: configuration;
+- :func:`merge_attn_states`: exact merge of two partial attention results by LSE;
+- :func:`skip_softmax_stats`, :func:`reset_skip_softmax_stats`: skip-softmax counters.
+
+Importing fullcg registers the ``torch.ops.fullcg`` ops.
+"""
+
+from fullcg.config import FullCGConfig, SkipSoftmaxConfig
+from fullcg.context import AttentionMetadata, ForwardMode, forward_context, get_forward_context
+from fullcg.kv_cache import KVCache
+from fullcg.layer import Attention
+from fullcg.ops import merge_attn_states
+from fullcg.telemetry import SkipSoftmaxStats, reset_skip_softmax_stats, skip_softmax_stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "ForwardMode",
+    "FullCGConfig",
+    "KVCache",
+    "SkipSoftmaxConfig",
+    "SkipSoftmaxStats",
+    "forward_context",
+    "get_forward_context",
+    "merge_attn_states",
+    "reset_skip_softmax_stats",
+    "skip_softmax_stats",
+]

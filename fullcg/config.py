@@ -1,0 +1,168 @@
+"""Configuration: :class:`FullCGConfig`, its parts, and reading them from the environment.
+
+Every option is validated when the config is built, so a bad value fails where it was
+written, not deep inside a compiled graph. Explicit values always win over environment
+variables; :meth:`FullCGConfig.from_env` fills only what the caller left unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "ENV_SKIP_SOFTMAX_PREFILL",
+    "ENV_SKIP_SOFTMAX_DECODE",
+    "ENV_ATTENTION_IMPL",
+    "ATTENTION_IMPLS",
+    "SkipSoftmaxConfig",
+    "FullCGConfig",
+]
+
+ENV_SKIP_SOFTMAX_PREFILL = "FULLCG_SKIP_SOFTMAX_PREFILL_THRESHOLD_SCALE_FACTOR"
+ENV_SKIP_SOFTMAX_DECODE = "FULLCG_SKIP_SOFTMAX_DECODE_THRESHOLD_SCALE_FACTOR"
+ENV_ATTENTION_IMPL = "FULLCG_ATTENTION_IMPL"
+
+#: Names accepted for ``FullCGConfig.attention_impl``; more can be registered at run time
+#: with :func:`fullcg.ops.impl.register_implementation`.
+ATTENTION_IMPLS = ("auto", "reference", "flashinfer", "triton")
+
+_UNSET: Any = object()
+
+
+def check_scale_factor(value: object, name: str) -> float | None:
+    """Return ``value`` as a finite, non-negative float (or None for dense attention).
+
+    ``name`` is what the error message calls the value (an option or an env variable),
+    so the user knows exactly what to fix.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number or None (dense attention), got {value!r}")
+    value = float(value)
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise ValueError(
+            f"{name} must be a finite number >= 0 (None or unset means dense attention), got {value!r}"
+        )
+    return value
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _factor_from_env(var: str, environ: Mapping[str, str]) -> float | None:
+    raw = environ.get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{var} must be a number (or unset for dense attention), got {raw!r}") from None
+    return check_scale_factor(value, var)
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipSoftmaxConfig:
+    """Skip-softmax (BLASST) sparse attention settings.
+
+    A KV tile is skipped for a block of query rows when, for every row,
+    ``exp(sm_scale * (tile_max - running_max)) < scale_factor / kv_len``.
+
+    Attributes:
+        prefill_scale_factor: factor for prefill and extend requests; None = dense.
+        decode_scale_factor: factor for decode requests; None = dense. Decode factors
+            are usually far smaller than prefill ones.
+        tile_kv: keys per tile (the unit that is skipped).
+        tile_q: query tokens per row block; a block spans these tokens times all query
+            heads of one KV head (a GQA group) and shares one skip decision per tile.
+        decode_split_tiles: decode kernels split a request's keys into runs of this many
+            tiles; the first tile of each run is never skipped. None = no split.
+    """
+
+    prefill_scale_factor: float | None = None
+    decode_scale_factor: float | None = None
+    tile_kv: int = 64
+    tile_q: int = 16
+    decode_split_tiles: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "prefill_scale_factor",
+            check_scale_factor(self.prefill_scale_factor, "SkipSoftmaxConfig.prefill_scale_factor"),
+        )
+        object.__setattr__(
+            self,
+            "decode_scale_factor",
+            check_scale_factor(self.decode_scale_factor, "SkipSoftmaxConfig.decode_scale_factor"),
+        )
+        _positive_int(self.tile_kv, "SkipSoftmaxConfig.tile_kv")
+        _positive_int(self.tile_q, "SkipSoftmaxConfig.tile_q")
+        if self.decode_split_tiles is not None:
+            _positive_int(self.decode_split_tiles, "SkipSoftmaxConfig.decode_split_tiles")
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill_scale_factor is not None or self.decode_scale_factor is not None
+
+    @classmethod
+    def from_env(
+        cls,
+        prefill_scale_factor: float | None = _UNSET,
+        decode_scale_factor: float | None = _UNSET,
+        environ: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> SkipSoftmaxConfig:
+        """Build from the environment; explicitly passed factors win (even an explicit None)."""
+        env = os.environ if environ is None else environ
+        if prefill_scale_factor is _UNSET:
+            prefill_scale_factor = _factor_from_env(ENV_SKIP_SOFTMAX_PREFILL, env)
+        if decode_scale_factor is _UNSET:
+            decode_scale_factor = _factor_from_env(ENV_SKIP_SOFTMAX_DECODE, env)
+        return cls(prefill_scale_factor, decode_scale_factor, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class FullCGConfig:
+    """Everything fullcg can be told.
+
+    Attributes:
+        attention_impl: which attention implementation runs the ops: ``"reference"``
+            (plain torch), ``"flashinfer"``, ``"triton"``, or ``"auto"`` (the best one
+            available for the device; ``reference`` on CPU).
+        skip_softmax: skip-softmax factors and tile sizes.
+    """
+
+    attention_impl: str = "auto"
+    skip_softmax: SkipSoftmaxConfig = dataclasses.field(default_factory=SkipSoftmaxConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attention_impl, str) or not self.attention_impl:
+            raise ValueError(
+                f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}"
+            )
+        if not isinstance(self.skip_softmax, SkipSoftmaxConfig):
+            raise TypeError(
+                "skip_softmax must be a fullcg.SkipSoftmaxConfig, got "
+                f"{type(self.skip_softmax).__name__}"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FullCGConfig:
+        """Build a config from ``FULLCG_*`` environment variables; ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        if "skip_softmax" not in overrides:
+            overrides["skip_softmax"] = SkipSoftmaxConfig.from_env(environ=env)
+        if "attention_impl" not in overrides and env.get(ENV_ATTENTION_IMPL):
+            overrides["attention_impl"] = env[ENV_ATTENTION_IMPL]
+        return cls(**overrides)
+
+    def replace(self, **changes: Any) -> FullCGConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,73 @@
+"""The paged KV cache of one attention layer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["KVCache"]
+
+
+@dataclasses.dataclass(eq=False)
+class KVCache:
+    """K and V pages of one layer, each ``[num_pages, page_size, num_kv_heads, head_dim]``.
+
+    The tensors are allocated once and never move, so CUDA graphs that read or write them
+    stay valid for the cache's lifetime.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.k.dim() != 4 or self.v.dim() != 4:
+            raise ValueError(
+                "KV cache tensors must be [num_pages, page_size, num_kv_heads, head_dim], got "
+                f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)}"
+            )
+        if self.k.shape[:3] != self.v.shape[:3]:
+            raise ValueError(f"k and v caches disagree on pages/heads: {tuple(self.k.shape)} vs {tuple(self.v.shape)}")
+        if self.k.dtype != self.v.dtype or self.k.device != self.v.device:
+            raise ValueError("k and v caches must share dtype and device")
+
+    @classmethod
+    def allocate(
+        cls,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        v_head_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        return cls(
+            torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device),
+            torch.zeros(num_pages, page_size, num_kv_heads, v_dim, dtype=dtype, device=device),
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.v.shape[3]

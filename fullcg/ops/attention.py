@@ -1,0 +1,286 @@
+"""The ``fullcg`` attention ops: definitions and fake (meta) implementations.
+
+Four attention ops share one signature and differ only in name and result:
+
+=================  ================================  ===================================
+                   writes ``out``, returns nothing   also returns LSE ``float32 [T, Hq]``
+=================  ================================  ===================================
+non-breakable      ``fullcg::attention``              ``fullcg::attention_with_lse``
+breakable          ``fullcg::breakable_attention``    ``fullcg::breakable_attention_with_lse``
+=================  ================================  ===================================
+
+Breakable ops are where the compile backend splits a graph into pieces; they are tagged
+``cudagraph_unsafe`` so that Inductor's own partitioning agrees. Per-batch data comes
+from the forward context, never from graph inputs. LSE is natural-log and token-major.
+
+Also here: ``fullcg::merge_attn_states`` (exact merge of two partial results by LSE) and
+``fullcg::gather_prefix_chunk`` (copies one chunk of every request's cached prefix out of
+the paged KV cache, for the chunked-prefix pattern).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from fullcg.context import get_forward_context
+from fullcg.ops.call import AttentionCall, check_against_context, check_tensors
+from fullcg.ops.impl import resolve_implementation
+from fullcg.ops.impl import reference
+
+__all__ = [
+    "attention",
+    "attention_with_lse",
+    "breakable_attention",
+    "breakable_attention_with_lse",
+    "merge_attn_states",
+    "gather_prefix_chunk",
+    "ATTENTION_OPS",
+]
+
+_BREAKABLE_TAGS: tuple[torch.Tag, ...] = (
+    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+)
+
+
+def _run(
+    op: str,
+    return_lse: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    key_value_num_tokens: Optional[int],
+    skip_softmax_prefill_scale_factor: Optional[float],
+    skip_softmax_decode_scale_factor: Optional[float],
+    scale: Optional[float],
+    use_kv_cache: bool,
+    causal: bool,
+    prefix_chunk: Optional[int],
+) -> Optional[torch.Tensor]:
+    check_tensors(
+        op, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
+        skip_softmax_decode_scale_factor, use_kv_cache, causal, prefix_chunk,
+    )
+    ctx = get_forward_context()
+    call = AttentionCall(
+        op=op,
+        q=q,
+        k=k,
+        v=v,
+        out=out,
+        layer_id=layer_id,
+        key_value_num_tokens=key_value_num_tokens,
+        prefill_scale_factor=skip_softmax_prefill_scale_factor,
+        decode_scale_factor=skip_softmax_decode_scale_factor,
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        use_kv_cache=use_kv_cache,
+        causal=causal,
+        prefix_chunk=prefix_chunk,
+        return_lse=return_lse,
+    )
+    cache = check_against_context(call, ctx)
+    impl = resolve_implementation(ctx.config.attention_impl, q.device)
+    lse = impl.forward(call, ctx, cache)
+    if return_lse and lse is None:
+        raise RuntimeError(f"attention implementation {impl.name!r} returned no LSE for fullcg.{op}")
+    return lse if return_lse else None
+
+
+def _fake(
+    op: str,
+    return_lse: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    key_value_num_tokens: Optional[int],
+    skip_softmax_prefill_scale_factor: Optional[float],
+    skip_softmax_decode_scale_factor: Optional[float],
+    use_kv_cache: bool,
+    causal: bool,
+    prefix_chunk: Optional[int],
+) -> Optional[torch.Tensor]:
+    check_tensors(
+        op, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
+        skip_softmax_decode_scale_factor, use_kv_cache, causal, prefix_chunk,
+    )
+    if return_lse:
+        return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return None
+
+
+def _define(name: str, return_lse: bool, breakable: bool) -> object:
+    """Define one of the four attention ops; they differ only in name, tags and result."""
+    tags = _BREAKABLE_TAGS if breakable else ()
+
+    if return_lse:
+
+        def op_with_lse(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            layer_id: int,
+            key_value_num_tokens: Optional[int] = None,
+            skip_softmax_prefill_scale_factor: Optional[float] = None,
+            skip_softmax_decode_scale_factor: Optional[float] = None,
+            scale: Optional[float] = None,
+            use_kv_cache: bool = True,
+            causal: bool = True,
+            prefix_chunk: Optional[int] = None,
+        ) -> torch.Tensor:
+            lse = _run(
+                name, True, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
+                skip_softmax_decode_scale_factor, scale, use_kv_cache, causal, prefix_chunk,
+            )
+            assert lse is not None
+            return lse
+
+        fn = op_with_lse
+    else:
+
+        def op_plain(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            layer_id: int,
+            key_value_num_tokens: Optional[int] = None,
+            skip_softmax_prefill_scale_factor: Optional[float] = None,
+            skip_softmax_decode_scale_factor: Optional[float] = None,
+            scale: Optional[float] = None,
+            use_kv_cache: bool = True,
+            causal: bool = True,
+            prefix_chunk: Optional[int] = None,
+        ) -> None:
+            _run(
+                name, False, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
+                skip_softmax_decode_scale_factor, scale, use_kv_cache, causal, prefix_chunk,
+            )
+
+        fn = op_plain
+
+    fn.__name__ = name
+    schema = (
+        "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer_id, SymInt? key_value_num_tokens=None, "
+        "float? skip_softmax_prefill_scale_factor=None, float? skip_softmax_decode_scale_factor=None, "
+        "float? scale=None, bool use_kv_cache=True, bool causal=True, int? prefix_chunk=None) -> "
+        + ("Tensor" if return_lse else "()")
+    )
+    defined = torch.library.custom_op(f"fullcg::{name}", fn, mutates_args=("out",), tags=tags, schema=schema)
+
+    @defined.register_fake
+    def _(q, k, v, out, layer_id, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=None,
+          skip_softmax_decode_scale_factor=None, scale=None, use_kv_cache=True, causal=True, prefix_chunk=None):
+        return _fake(
+            name, return_lse, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
+            skip_softmax_decode_scale_factor, use_kv_cache, causal, prefix_chunk,
+        )
+
+    return defined
+
+
+attention = _define("attention", return_lse=False, breakable=False)
+attention_with_lse = _define("attention_with_lse", return_lse=True, breakable=False)
+breakable_attention = _define("breakable_attention", return_lse=False, breakable=True)
+breakable_attention_with_lse = _define("breakable_attention_with_lse", return_lse=True, breakable=True)
+
+#: ``(breakable, return_lse) -> op``: the table :class:`fullcg.Attention` dispatches on.
+ATTENTION_OPS = {
+    (False, False): torch.ops.fullcg.attention.default,
+    (False, True): torch.ops.fullcg.attention_with_lse.default,
+    (True, False): torch.ops.fullcg.breakable_attention.default,
+    (True, True): torch.ops.fullcg.breakable_attention_with_lse.default,
+}
+
+
+def _check_merge(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse) -> None:
+    where = "fullcg.merge_attn_states"
+    for name, t in (("prefix_out", prefix_out), ("suffix_out", suffix_out)):
+        if t.shape != out.shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, out has {tuple(out.shape)}; they must match")
+        if t.dtype != out.dtype or t.device != out.device:
+            raise ValueError(f"{where}: {name} must share out's dtype and device ({out.dtype}, {out.device})")
+    if out.dim() != 3:
+        raise ValueError(f"{where}: out must be [tokens, heads, head_dim], got shape {tuple(out.shape)}")
+    lse_shape = tuple(out.shape[:2])
+    lses = [("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)]
+    if out_lse is not None:
+        lses.append(("out_lse", out_lse))
+    for name, t in lses:
+        if tuple(t.shape) != lse_shape or t.dtype != torch.float32 or t.device != out.device:
+            raise ValueError(
+                f"{where}: {name} must be float32 {lse_shape} [tokens, heads] on {out.device}, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+
+
+@torch.library.custom_op("fullcg::merge_attn_states", mutates_args=("out", "out_lse"))
+def merge_attn_states(
+    out: torch.Tensor,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    out_lse: Optional[torch.Tensor] = None,
+) -> None:
+    """Write the exact merge of two partial attention results (natural-log LSE) into ``out``.
+
+    A row whose LSE is -inf on one side (nothing attended) takes the other side; a row empty
+    on both sides becomes zeros with LSE -inf. ``+inf`` LSE (some kernels' empty rows) is
+    read as -inf.
+    """
+    _check_merge(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)
+    reference.merge_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)
+
+
+@merge_attn_states.register_fake
+def _(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse=None) -> None:
+    _check_merge(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)
+
+
+def _check_gather(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk: int) -> None:
+    where = f"fullcg.gather_prefix_chunk (layer {layer_id})"
+    if k_out.dim() != 3 or v_out.dim() != 3 or k_out.shape[:2] != v_out.shape[:2]:
+        raise ValueError(
+            f"{where}: k_out and v_out must be [rows, kv_heads, head_dim] with equal rows and heads, "
+            f"got {tuple(k_out.shape)} and {tuple(v_out.shape)}"
+        )
+    if chunk < 0:
+        raise ValueError(f"{where}: chunk must be >= 0, got {chunk}")
+
+
+@torch.library.custom_op("fullcg::gather_prefix_chunk", mutates_args=("k_out", "v_out"))
+def gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk: int) -> None:
+    """Copy chunk ``chunk`` of every request's cached prefix into ``k_out``/``v_out``, packed.
+
+    The packing is ``metadata.prefix_chunks[chunk]``; rows past the chunk's tokens are zeroed.
+    """
+    _check_gather(k_out, v_out, layer_id, chunk)
+    ctx = get_forward_context()
+    md = ctx.metadata
+    if chunk >= len(md.prefix_chunks):
+        raise ValueError(f"fullcg.gather_prefix_chunk: chunk {chunk} is out of range; the batch has {len(md.prefix_chunks)}")
+    cache = ctx.kv_caches.get(layer_id)
+    if cache is None:
+        raise RuntimeError(
+            f"fullcg.gather_prefix_chunk: no KV cache for layer {layer_id} in the forward context; "
+            "pass the model as forward_context(metadata, model)"
+        )
+    plan = md.prefix_chunks[chunk]
+    if plan.offsets[-1] > k_out.shape[0]:
+        raise ValueError(
+            f"fullcg.gather_prefix_chunk: chunk {chunk} holds {plan.offsets[-1]} tokens but k_out has "
+            f"{k_out.shape[0]} rows; size it metadata.prefix_chunk_tokens"
+        )
+    reference.gather_prefix_chunk(k_out, v_out, cache, md, plan)
+
+
+@gather_prefix_chunk.register_fake
+def _(k_out, v_out, layer_id, chunk) -> None:
+    _check_gather(k_out, v_out, layer_id, chunk)

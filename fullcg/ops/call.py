@@ -1,0 +1,172 @@
+"""One attention op call, as every attention implementation receives it, and its checks.
+
+The checks live here once so that every implementation (and the fake, at trace time)
+rejects the same bad input with the same message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fullcg.config import check_scale_factor
+from fullcg.context import AttentionMetadata, ForwardContext, ForwardMode
+from fullcg.kv_cache import KVCache
+
+__all__ = ["AttentionCall", "check_tensors", "check_against_context", "kv_rows_needed"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """The arguments of one attention op call.
+
+    ``op`` is the op's name (``attention``, ``attention_with_lse``, ``breakable_attention``,
+    ``breakable_attention_with_lse``); implementations may record it but compute the same
+    thing for all four.
+    """
+
+    op: str
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [Tkv, Hkv, D]
+    v: torch.Tensor  # [Tkv, Hkv, Dv]
+    out: torch.Tensor  # [T, Hq, Dv], written in place
+    layer_id: int
+    key_value_num_tokens: int | None
+    prefill_scale_factor: float | None
+    decode_scale_factor: float | None
+    scale: float
+    use_kv_cache: bool
+    causal: bool
+    prefix_chunk: int | None
+    return_lse: bool
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    def scale_factor_for(self, mode: ForwardMode) -> float | None:
+        """The skip-softmax factor a request in ``mode`` uses: decode's for decode, else prefill's."""
+        return self.decode_scale_factor if mode is ForwardMode.DECODE else self.prefill_scale_factor
+
+
+def _shape(t: torch.Tensor) -> tuple[object, ...]:
+    return tuple(t.shape)
+
+
+def check_tensors(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    key_value_num_tokens: int | None,
+    prefill_scale_factor: float | None,
+    decode_scale_factor: float | None,
+    use_kv_cache: bool,
+    causal: bool,
+    prefix_chunk: int | None,
+) -> None:
+    """Shape, dtype, device and attribute checks that need no forward context.
+
+    Runs in the fake implementation too, so bad input fails at trace time.
+    """
+    where = f"fullcg.{op} (layer {layer_id})"
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.dim() != 3:
+            raise ValueError(f"{where}: {name} must be 3-D [tokens, heads, head_dim], got shape {_shape(t)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{where}: q must be float16, bfloat16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{where}: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"{where}: out must have q's dtype {q.dtype}, got {out.dtype}")
+    for name, t in (("k", k), ("v", v), ("out", out)):
+        if t.device != q.device:
+            raise ValueError(f"{where}: {name} is on {t.device} but q is on {q.device}; move them to one device")
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{where}: query heads ({num_q_heads}) must be a multiple of key/value heads ({num_kv_heads})"
+        )
+    if v.shape[1] != num_kv_heads or v.shape[0] != k.shape[0]:
+        raise ValueError(f"{where}: k {_shape(k)} and v {_shape(v)} must agree on tokens and heads")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{where}: q head_dim {q.shape[2]} differs from k head_dim {k.shape[2]}")
+    expected_out = (q.shape[0], num_q_heads, v.shape[2])
+    if _shape(out) != expected_out:
+        raise ValueError(f"{where}: out must have shape {expected_out} [tokens, q_heads, v_head_dim], got {_shape(out)}")
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
+        raise ValueError(f"{where}: layer_id must be a non-negative integer, got {layer_id!r}")
+    if key_value_num_tokens is not None:
+        message = f"{where}: key_value_num_tokens must lie in [0, {k.shape[0]}] (rows of k/v), got {key_value_num_tokens}"
+        if isinstance(key_value_num_tokens, int) and isinstance(k.shape[0], int):
+            if not 0 <= key_value_num_tokens <= k.shape[0]:
+                raise ValueError(message)
+        else:  # symbolic while tracing: a runtime assertion instead of a guard on the value
+            torch._check(key_value_num_tokens >= 0, lambda: message)
+            torch._check(key_value_num_tokens <= k.shape[0], lambda: message)
+    check_scale_factor(prefill_scale_factor, "skip_softmax_prefill_scale_factor")
+    check_scale_factor(decode_scale_factor, "skip_softmax_decode_scale_factor")
+    if use_kv_cache and (not causal or prefix_chunk is not None):
+        raise ValueError(
+            f"{where}: attention over the KV cache is always causal over the request's prefix and new tokens; "
+            "pass use_kv_cache=False to attend over given k/v (non-causal or a prefix chunk)"
+        )
+    if prefix_chunk is not None and (prefix_chunk < 0 or causal):
+        raise ValueError(
+            f"{where}: prefix_chunk must be >= 0 and the chunk is attended without a causal mask "
+            f"(every new token sees the whole prefix); got prefix_chunk={prefix_chunk}, causal={causal}"
+        )
+
+
+def kv_rows_needed(call: AttentionCall, metadata: AttentionMetadata) -> int:
+    """Rows of ``k``/``v`` that the batch reads."""
+    if call.prefix_chunk is not None:
+        return metadata.prefix_chunks[call.prefix_chunk].offsets[-1]
+    return metadata.num_tokens
+
+
+def check_against_context(call: AttentionCall, ctx: ForwardContext) -> KVCache | None:
+    """Checks of a call against the step's metadata; returns the layer's KV cache if used."""
+    md = ctx.metadata
+    where = f"fullcg.{call.op} (layer {call.layer_id})"
+    if call.q.shape[0] < md.num_tokens:
+        raise ValueError(f"{where}: q has {call.q.shape[0]} tokens but the batch has {md.num_tokens} new tokens")
+    if call.prefix_chunk is not None and call.prefix_chunk >= len(md.prefix_chunks):
+        raise ValueError(
+            f"{where}: prefix_chunk {call.prefix_chunk} is out of range; this batch has "
+            f"{len(md.prefix_chunks)} prefix chunks"
+        )
+    rows = kv_rows_needed(call, md)
+    available = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
+    if available < rows:
+        raise ValueError(
+            f"{where}: the batch reads {rows} rows of k/v but only {available} are valid "
+            "(k.shape[0] or key_value_num_tokens)"
+        )
+    if not call.use_kv_cache:
+        return None
+    cache = ctx.kv_caches.get(call.layer_id)
+    if cache is None:
+        raise RuntimeError(
+            f"{where}: no KV cache for this layer in the forward context; allocate one "
+            "(Attention.allocate_kv_cache) and pass the model as forward_context(metadata, model)"
+        )
+    if cache.num_kv_heads != call.num_kv_heads or cache.head_dim != call.k.shape[2] or cache.v_head_dim != call.v.shape[2]:
+        raise ValueError(
+            f"{where}: KV cache pages {tuple(cache.k.shape)} do not fit k {tuple(call.k.shape)}; "
+            "the cache needs [pages, page_size, kv_heads, head_dim]"
+        )
+    if cache.k.device != call.q.device:
+        raise ValueError(f"{where}: KV cache is on {cache.k.device} but q is on {call.q.device}")
+    if cache.page_size != md.page_size:
+        raise ValueError(f"{where}: metadata page_size {md.page_size} differs from the cache's {cache.page_size}")
+    return cache

@@ -1,0 +1,68 @@
+"""Attention implementations: the code that computes what the ``fullcg`` ops promise.
+
+An implementation is an object with a ``name`` and
+``forward(call, ctx, cache) -> lse | None`` (see :class:`AttentionImpl`). The forward
+context's ``config.attention_impl`` picks one by name for each step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+from fullcg.context import ForwardContext
+from fullcg.kv_cache import KVCache
+from fullcg.ops.call import AttentionCall
+
+__all__ = ["AttentionImpl", "register_implementation", "resolve_implementation", "available_implementations"]
+
+
+class AttentionImpl(Protocol):
+    """What an attention implementation provides."""
+
+    name: str
+
+    def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
+        """Compute ``call`` into ``call.out``; return LSE ``float32 [T, Hq]`` iff ``call.return_lse``.
+
+        ``cache`` is the layer's KV cache when ``call.use_kv_cache``: the implementation
+        first writes the new k/v into it (``metadata.slot_mapping``), then attends.
+        Rows of ``out`` past the batch's real tokens are zeroed (LSE -inf there).
+        """
+        ...
+
+
+_registry: dict[str, AttentionImpl] = {}
+# Built-in implementations that are imported on first use (they may need optional packages).
+_lazy: dict[str, str] = {"reference": "fullcg.ops.impl.reference"}
+
+
+def register_implementation(impl: AttentionImpl) -> None:
+    """Make ``impl`` selectable as ``FullCGConfig(attention_impl=impl.name)``."""
+    if not isinstance(getattr(impl, "name", None), str) or not callable(getattr(impl, "forward", None)):
+        raise TypeError("an attention implementation needs a str `name` and a `forward(call, ctx, cache)` method")
+    if impl.name == "auto":
+        raise ValueError("'auto' is reserved: it picks an implementation by device")
+    _registry[impl.name] = impl
+
+
+def available_implementations() -> list[str]:
+    return sorted({*_registry, *_lazy})
+
+
+def resolve_implementation(name: str, device: torch.device) -> AttentionImpl:
+    """The implementation called ``name``; ``auto`` picks the best one for ``device``."""
+    if name == "auto":
+        name = "reference"
+    impl = _registry.get(name)
+    if impl is None and name in _lazy:
+        importlib.import_module(_lazy[name])  # registers itself
+        impl = _registry.get(name)
+    if impl is None:
+        raise ValueError(
+            f"unknown attention implementation {name!r}; available: {', '.join(available_implementations())} "
+            "(or register one with fullcg.ops.impl.register_implementation)"
+        )
+    return impl

@@ -1,0 +1,275 @@
+"""The ``reference`` attention implementation: plain torch, any device, float32 accumulation.
+
+It is the oracle that the fast implementations are tested against, so it favours being
+obviously right over being fast: one request at a time, host-side loops. With a
+skip-softmax factor it walks keys tile by tile exactly as DESIGN.md's rule says (same
+tile sizes as the kernels, same row blocks, same split boundaries for decode), so its
+skip decisions and counters can be compared with a kernel's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fullcg import telemetry
+from fullcg.context import AttentionMetadata, ForwardContext, PrefixChunk
+from fullcg.kv_cache import KVCache
+from fullcg.ops.call import AttentionCall
+from fullcg.ops.impl import register_implementation
+
+__all__ = ["ReferenceAttention", "attend_dense", "attend_tiled", "merge_states", "save_kv", "read_kv"]
+
+_NEG_INF = float("-inf")
+
+
+def save_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' k/v into their cache slots (``page * page_size + offset``)."""
+    flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
+    flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
+    flat_k.index_copy_(0, slot_mapping, k.to(cache.k.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
+
+
+def _slots(page_table_row: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int) -> torch.Tensor:
+    pages = page_table_row.long()[positions // page_size]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise IndexError(f"page_table refers to page {int(pages.max())} but the KV cache has {num_pages} pages")
+    return pages * page_size + positions % page_size
+
+
+def read_kv(cache: KVCache, page_table_row: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at positions ``[start, start + length)`` of one request."""
+    positions = torch.arange(start, start + length, device=cache.k.device)
+    slots = _slots(page_table_row.to(cache.k.device), positions, cache.page_size, cache.num_pages)
+    flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
+    flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
+    return flat_k[slots], flat_v[slots]
+
+
+def _causal_mask(num_q: int, num_kv: int, offset: int, device: torch.device) -> torch.Tensor:
+    """``[num_q, num_kv]``: query ``j`` sees keys ``0 .. offset + j``."""
+    return torch.arange(num_kv, device=device)[None, :] <= (offset + torch.arange(num_q, device=device))[:, None]
+
+
+def attend_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of one request in float32 (or q's dtype if float64).
+
+    Returns ``out [n, Hq, Dv]`` and natural-log ``lse [n, Hq]``; rows that see no key get
+    zeros and -inf.
+    """
+    n, num_q_heads, _ = q.shape
+    length, num_kv_heads, dv = v.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if length == 0:
+        return q.new_zeros((n, num_q_heads, dv), dtype=acc), q.new_full((n, num_q_heads), _NEG_INF, dtype=acc)
+    group = num_q_heads // num_kv_heads
+    qf = q.to(acc).view(n, num_kv_heads, group, -1)
+    s = torch.einsum("nhgd,lhd->hgnl", qf, k.to(acc)) * scale
+    if causal_offset is not None:
+        s = s.masked_fill(~_causal_mask(n, length, causal_offset, q.device), _NEG_INF)
+    m = s.amax(-1)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe[..., None])
+    denom = p.sum(-1)
+    o = torch.einsum("hgnl,lhd->nhgd", p, v.to(acc))
+    denom_nt = denom.permute(2, 0, 1)[..., None]  # [n, Hkv, G, 1]
+    o = torch.where(denom_nt > 0, o / denom_nt.clamp_min(torch.finfo(acc).tiny), torch.zeros_like(o))
+    lse = torch.where(denom > 0, m_safe + torch.log(denom), torch.full_like(denom, _NEG_INF))
+    return o.reshape(n, num_q_heads, dv), lse.permute(2, 0, 1).reshape(n, num_q_heads)
+
+
+def attend_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal_offset: int | None,
+    scale_factor: float,
+    tile_kv: int,
+    tile_q: int,
+    split_tiles: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Skip-softmax attention of one request, tile by tile (DESIGN.md's rule).
+
+    Rows are blocked as kernels block them: ``tile_q`` query tokens times the query heads
+    of one KV head share each decision. With ``split_tiles`` the keys are processed in
+    independent runs of that many tiles (split-KV decode), each starting from an empty
+    running max, and merged by LSE at the end.
+
+    Returns ``out [n, Hq, Dv]``, ``lse [n, Hq]``, tiles visited and tiles skipped.
+    """
+    n, num_q_heads, d = q.shape
+    length, num_kv_heads, dv = v.shape
+    if length == 0:
+        o, lse = attend_dense(q, k, v, scale, causal_offset)
+        return o, lse, 0, 0
+    group = num_q_heads // num_kv_heads
+    lam = scale_factor / length
+    skipping = lam < 1.0
+    dev = q.device
+    num_blocks = -(-n // tile_q)
+    rows = tile_q * group
+
+    qp = torch.zeros(num_blocks * tile_q, num_kv_heads, group, d, dtype=torch.float32, device=dev)
+    qp[:n] = q.float().view(n, num_kv_heads, group, d)
+    # [Hkv, NB, rows, D]; row r of block b is token b*tile_q + r // group, head r % group.
+    qb = qp.view(num_blocks, tile_q, num_kv_heads, group, d).permute(2, 0, 1, 3, 4).reshape(
+        num_kv_heads, num_blocks, rows, d
+    )
+    tok = (torch.arange(num_blocks, device=dev)[:, None] * tile_q + torch.arange(rows, device=dev)[None, :] // group)
+    row_valid = tok < n  # [NB, rows]
+    kf, vf = k.float(), v.float()
+
+    num_tiles = -(-length // tile_kv)
+    step = split_tiles if split_tiles is not None else num_tiles
+    visited = skipped = 0
+    partials: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for first in range(0, num_tiles, step):
+        m = torch.full((num_kv_heads, num_blocks, rows), _NEG_INF, device=dev)
+        l_sum = torch.zeros((num_kv_heads, num_blocks, rows), device=dev)
+        acc = torch.zeros((num_kv_heads, num_blocks, rows, dv), device=dev)
+        for t in range(first, min(first + step, num_tiles)):
+            ks, ke = t * tile_kv, min(length, (t + 1) * tile_kv)
+            s = torch.einsum("hbrd,khd->hbrk", qb, kf[ks:ke]) * scale
+            vis = row_valid[..., None].expand(num_blocks, rows, ke - ks)
+            if causal_offset is not None:
+                kpos = torch.arange(ks, ke, device=dev)
+                vis = vis & (kpos[None, None, :] <= causal_offset + tok[..., None])
+            s = s.masked_fill(~vis[None], _NEG_INF)
+            active = vis.flatten(1).any(-1)  # [NB]: a kernel's loop reaches this tile for the block
+            tile_max = s.amax(-1)
+            if t == first or not skipping:
+                skip = torch.zeros((num_kv_heads, num_blocks), dtype=torch.bool, device=dev)
+            else:
+                # A row agrees to skip when the tile cannot matter to it: nothing visible, or
+                # exp(tile_max - running_max) < lambda. Every row of the block must agree.
+                gap_small = torch.exp(tile_max - m) < lam
+                agree = torch.isneginf(tile_max) | (~torch.isneginf(m) & gap_small)
+                skip = agree.all(-1)
+            skip = skip & active[None]
+            visited += int(active.sum()) * num_kv_heads
+            skipped += int(skip.sum())
+            keep = ~skip[..., None]  # [Hkv, NB, 1]
+            m_new = torch.where(keep, torch.maximum(m, tile_max), m)
+            m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = torch.where(keep, torch.exp(m - m_safe), torch.ones_like(m))
+            p = torch.exp(s - m_safe[..., None]) * keep[..., None]
+            l_sum = l_sum * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.einsum("hbrk,khd->hbrd", p, vf[ks:ke])
+            m = m_new
+        lse = torch.where(l_sum > 0, m + torch.log(l_sum), torch.full_like(l_sum, _NEG_INF))
+        o = torch.where(l_sum[..., None] > 0, acc / l_sum.clamp_min(1e-38)[..., None], torch.zeros_like(acc))
+        partials.append((o, lse))
+
+    o, lse = partials[0]
+    for o2, lse2 in partials[1:]:
+        o, lse = _merge(o, lse, o2, lse2)
+
+    def unblock(x: torch.Tensor) -> torch.Tensor:  # [Hkv, NB, rows, ...] -> [n, Hq, ...]
+        tail = x.shape[3:]
+        x = x.reshape(num_kv_heads, num_blocks, tile_q, group, *tail)
+        x = x.permute(1, 2, 0, 3, *range(4, 4 + len(tail))).reshape(num_blocks * tile_q, num_q_heads, *tail)
+        return x[:n]
+
+    return unblock(o), unblock(lse), visited, skipped
+
+
+def _merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two partial results; ``lse`` has one dimension fewer than ``o``."""
+    lse1 = torch.where(lse1 == float("inf"), torch.full_like(lse1, _NEG_INF), lse1)
+    lse2 = torch.where(lse2 == float("inf"), torch.full_like(lse2, _NEG_INF), lse2)
+    m = torch.maximum(lse1, lse2)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(lse1 - m_safe), torch.exp(lse2 - m_safe)
+    denom = w1 + w2
+    # where(), not multiplication: an empty side may hold NaN and must not leak into the result.
+    part1 = torch.where(w1[..., None] > 0, o1 * w1[..., None], torch.zeros_like(o1))
+    part2 = torch.where(w2[..., None] > 0, o2 * w2[..., None], torch.zeros_like(o2))
+    o = (part1 + part2) / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
+    lse = torch.where(denom > 0, m_safe + torch.log(denom), torch.full_like(denom, _NEG_INF))
+    return o, lse
+
+
+def merge_states(
+    out: torch.Tensor,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    out_lse: torch.Tensor | None,
+) -> None:
+    """Merge two partial attention results into ``out`` (and ``out_lse``), in float32."""
+    o, lse = _merge(prefix_out.float(), prefix_lse.float(), suffix_out.float(), suffix_lse.float())
+    out.copy_(o)
+    if out_lse is not None:
+        out_lse.copy_(lse)
+
+
+def gather_prefix_chunk(
+    k_out: torch.Tensor, v_out: torch.Tensor, cache: KVCache, md: AttentionMetadata, plan: PrefixChunk
+) -> None:
+    """Pack chunk ``plan`` of every request's cached prefix into ``k_out``/``v_out``."""
+    total = plan.offsets[-1]
+    for r, (start, length) in enumerate(zip(plan.starts, plan.lens)):
+        if length:
+            k_r, v_r = read_kv(cache, md.page_table[r], start, length)
+            k_out[plan.offsets[r] : plan.offsets[r + 1]] = k_r
+            v_out[plan.offsets[r] : plan.offsets[r + 1]] = v_r
+    k_out[total:] = 0
+    v_out[total:] = 0
+
+
+class ReferenceAttention:
+    """Plain-torch attention for any device; see the module docstring."""
+
+    name = "reference"
+
+    def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
+        md = ctx.metadata
+        q, out = call.q, call.out
+        num_tokens = md.num_tokens
+        skip_cfg = ctx.config.skip_softmax
+        if cache is not None:
+            save_kv(cache, call.k[:num_tokens], call.v[:num_tokens], md.slot_mapping.to(q.device))
+        lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32, device=q.device) if call.return_lse else None
+        starts = md.query_starts
+        chunk = md.prefix_chunks[call.prefix_chunk] if call.prefix_chunk is not None else None
+        for r, mode in enumerate(md.forward_modes):
+            qs, qe = starts[r], starts[r + 1]
+            causal_offset: int | None
+            if cache is not None:
+                k_r, v_r = read_kv(cache, md.page_table[r], 0, md.prefix_lens[r] + md.query_lens[r])
+                causal_offset = md.prefix_lens[r]
+            elif chunk is not None:
+                k_r, v_r = call.k[chunk.offsets[r] : chunk.offsets[r + 1]], call.v[chunk.offsets[r] : chunk.offsets[r + 1]]
+                causal_offset = None
+            else:
+                k_r, v_r = call.k[qs:qe], call.v[qs:qe]
+                causal_offset = 0 if call.causal else None
+            factor = call.scale_factor_for(mode)
+            if factor is None:
+                o, l_r = attend_dense(q[qs:qe], k_r, v_r, call.scale, causal_offset)
+            else:
+                o, l_r, visited, skipped = attend_tiled(
+                    q[qs:qe], k_r, v_r, call.scale, causal_offset, factor, skip_cfg.tile_kv, skip_cfg.tile_q,
+                    skip_cfg.decode_split_tiles if mode.is_decode else None,
+                )
+                ctr = telemetry.counters(call.layer_id, q.device)
+                kind = telemetry.DECODE if mode.is_decode else telemetry.PREFILL
+                ctr[kind, telemetry.VISITED] += visited
+                ctr[kind, telemetry.SKIPPED] += skipped
+            out[qs:qe] = o.to(out.dtype)
+            if lse is not None:
+                lse[qs:qe] = l_r
+        # Padding rows (CUDA-graph padding) are zeroed so they never carry NaN or Inf.
+        out[num_tokens:] = 0
+        return lse
+
+
+register_implementation(ReferenceAttention())

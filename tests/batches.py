@@ -1,0 +1,112 @@
+"""Random batches and a float64 oracle shared by the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+import fullcg
+from fullcg.context import AttentionMetadata, ForwardMode
+
+
+@dataclasses.dataclass
+class Batch:
+    """One step of a random batch: metadata, the cache holding each prefix, the new q/k/v,
+    and each request's full (prefix + new) k/v for the oracle."""
+
+    metadata: AttentionMetadata
+    layer: fullcg.Attention
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    full_k: list[torch.Tensor]
+    full_v: list[torch.Tensor]
+
+
+def make_batch(
+    query_lens: list[int],
+    prefix_lens: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    page_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    modes: list[ForwardMode] | None = None,
+    layer_id: int = 0,
+    prefix_chunk_tokens: int = 4096,
+    spare_pages: int = 5,
+    key_bias: float = 0.0,
+) -> Batch:
+    """A batch with a random (shuffled) page table whose prefixes are already in the cache.
+
+    ``key_bias`` adds a shared direction to q and k so that attention is peaky (as real
+    attention is), which is what skip-softmax needs to skip anything.
+    """
+    g = torch.Generator().manual_seed(seed)
+    pages_needed = [math.ceil((q + p) / page_size) for q, p in zip(query_lens, prefix_lens)]
+    num_pages = sum(pages_needed) + spare_pages
+    perm = torch.randperm(num_pages, generator=g)
+    page_table = torch.zeros(len(query_lens), max(pages_needed) + 1, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(pages_needed):
+        page_table[r, :n] = perm[used : used + n]
+        used += n
+    layer = fullcg.Attention(num_heads, head_dim, num_kv_heads, layer_id=layer_id)
+    cache = layer.allocate_kv_cache(num_pages, page_size, dtype=dtype)
+    cache.k.normal_(generator=g)  # garbage everywhere a request does not own
+    cache.v.normal_(generator=g)
+    md = AttentionMetadata.build(
+        query_lens, prefix_lens, page_table, page_size, modes, prefix_chunk_tokens=prefix_chunk_tokens
+    )
+    direction = torch.randn(head_dim, generator=g)
+    full_k, full_v, new_k, new_v = [], [], [], []
+    for r, (ql, pl) in enumerate(zip(query_lens, prefix_lens)):
+        k = torch.randn(pl + ql, num_kv_heads, head_dim, generator=g) + key_bias * direction
+        v = torch.randn(pl + ql, num_kv_heads, head_dim, generator=g)
+        k, v = k.to(dtype), v.to(dtype)
+        for pos in range(pl):
+            page = int(page_table[r, pos // page_size])
+            cache.k[page, pos % page_size] = k[pos]
+            cache.v[page, pos % page_size] = v[pos]
+        full_k.append(k)
+        full_v.append(v)
+        new_k.append(k[pl:])
+        new_v.append(v[pl:])
+    num_tokens = sum(query_lens)
+    q = (torch.randn(num_tokens, num_heads, head_dim, generator=g) + key_bias * direction).to(dtype)
+    return Batch(md, layer, q, torch.cat(new_k), torch.cat(new_v), full_k, full_v)
+
+
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 softmax attention of one request, the obvious way: out [n, Hq, Dv], lse [n, Hq]."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    if causal_offset is not None:
+        n, length = q.shape[0], k.shape[0]
+        mask = torch.arange(length)[None, :] <= causal_offset + torch.arange(n)[:, None]
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", p, v), lse.transpose(0, 1)
+
+
+def oracle(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected out and LSE of cache attention over each request's prefix + new tokens."""
+    outs, lses = [], []
+    starts = batch.metadata.query_starts
+    for r, pl in enumerate(batch.metadata.prefix_lens):
+        o, lse = naive_attention(
+            batch.q[starts[r] : starts[r + 1]], batch.full_k[r], batch.full_v[r], batch.layer.scale, pl
+        )
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
