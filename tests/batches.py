@@ -40,6 +40,7 @@ def make_batch(
     prefix_chunk_tokens: int = 4096,
     spare_pages: int = 5,
     key_bias: float = 0.0,
+    sink: float = 0.0,
 ) -> Batch:
     """A batch with a random (shuffled) page table whose prefixes are already in the cache.
 
@@ -67,6 +68,8 @@ def make_batch(
     for r, (ql, pl) in enumerate(zip(query_lens, prefix_lens)):
         k = torch.randn(pl + ql, num_kv_heads, head_dim, generator=g) + key_bias * direction
         v = torch.randn(pl + ql, num_kv_heads, head_dim, generator=g)
+        if sink:
+            k[0] = sink * direction / direction.norm()
         k, v = k.to(dtype), v.to(dtype)
         for pos in range(pl):
             page = int(page_table[r, pos // page_size])
@@ -77,7 +80,10 @@ def make_batch(
         new_k.append(k[pl:])
         new_v.append(v[pl:])
     num_tokens = sum(query_lens)
-    q = (torch.randn(num_tokens, num_heads, head_dim, generator=g) + key_bias * direction).to(dtype)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g) + key_bias * direction
+    if sink:
+        q = q + 6.0 * direction / direction.norm()
+    q = q.to(dtype)
     return Batch(md, layer, q, torch.cat(new_k), torch.cat(new_v), full_k, full_v)
 
 
