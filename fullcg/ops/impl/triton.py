@@ -1,0 +1,143 @@
+"""The ``triton`` attention implementation: skip-softmax prefill and decode kernels for Hopper.
+
+FlashInfer honours a skip-softmax factor only on Blackwell; these kernels make it real on
+any GPU Triton supports (and on the CPU under ``TRITON_INTERPRET=1``, which the tests use).
+Decisions follow DESIGN.md's rule at the config's tile sizes, exactly as the reference
+implementation walks them, so results, skip decisions and counters can be compared.
+
+Non-decode requests (prefill, extend) go through the prefill kernel with the prefill
+factor; decode requests through the split-KV decode kernel with the decode factor. Both
+read metadata tensors on the device and size their grids from shapes, so ``forward`` is
+safe under CUDA graph capture: no host sync and no allocation whose size depends on data.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from fullcg import telemetry
+from fullcg.context import AttentionMetadata, ForwardContext
+from fullcg.kv_cache import KVCache
+from fullcg.ops.call import AttentionCall
+from fullcg.ops.impl import register_implementation
+from fullcg.ops.impl.reference import save_kv
+from fullcg.ops.kernels import decode_attention, prefill_attention
+
+__all__ = ["TritonAttention"]
+
+
+def _is_pow2_at_least_16(x: int) -> bool:
+    return x >= 16 and x & (x - 1) == 0
+
+
+def _check_supported(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> None:
+    where = f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='triton'"
+    if not call.q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"{where}: tensors are on {call.q.device}; the Triton kernels need a CUDA device "
+            "(or TRITON_INTERPRET=1 set before triton is imported, to run them slowly on the CPU). "
+            "Use attention_impl='reference' on the CPU."
+        )
+    d, dv = call.q.shape[2], call.v.shape[2]
+    if not (_is_pow2_at_least_16(d) and _is_pow2_at_least_16(dv)):
+        raise ValueError(f"{where}: head dims must be powers of two >= 16 (e.g. 64, 128), got {d} and {dv}")
+    tile_kv = ctx.config.skip_softmax.tile_kv
+    if not _is_pow2_at_least_16(tile_kv):
+        raise ValueError(f"{where}: SkipSoftmaxConfig.tile_kv must be a power of two >= 16 for Triton, got {tile_kv}")
+    if cache is not None and cache.k.dtype != call.q.dtype:
+        raise TypeError(
+            f"{where}: the KV cache holds {cache.k.dtype} but q is {call.q.dtype}; allocate the cache in q's dtype"
+        )
+
+
+def _chunk_kv_start_loc(md: AttentionMetadata, chunk_index: int, device: torch.device) -> torch.Tensor:
+    """``int32 [R + 1]``: where each request's rows start in prefix chunk ``chunk_index``.
+
+    Computed on the device from ``prefix_lens_tensor`` (a host-to-device copy of the plan
+    could not be captured in a CUDA graph); the host plan is used only to check the formula.
+    """
+    plan = md.prefix_chunks[chunk_index]
+    with_prefix = sum(1 for p in md.prefix_lens if p > 0)
+    per_req = max(1, md.prefix_chunk_tokens // with_prefix)
+    start = chunk_index * per_req
+    expected = tuple(max(0, min(per_req, p - start)) for p in md.prefix_lens)
+    if expected != plan.lens:
+        raise RuntimeError(
+            "the triton implementation's prefix-chunk layout disagrees with AttentionMetadata.prefix_chunks "
+            f"(chunk {chunk_index}: {expected} vs {plan.lens}); update _chunk_kv_start_loc to the new plan"
+        )
+    lens = (md.prefix_lens_tensor.to(device=device, dtype=torch.int32) - start).clamp(0, per_req)
+    loc = torch.zeros(md.num_requests + 1, dtype=torch.int32, device=device)
+    torch.cumsum(lens, 0, out=loc[1:])
+    return loc
+
+
+class TritonAttention:
+    """Skip-softmax attention in Triton; see the module docstring."""
+
+    name = "triton"
+
+    def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
+        """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""
+        _check_supported(call, ctx, cache)
+        md = ctx.metadata
+        cfg = ctx.config.skip_softmax
+        q, out = call.q, call.out
+        dev = q.device
+        num_tokens = md.num_tokens
+        if cache is not None:
+            save_kv(cache, call.k[:num_tokens], call.v[:num_tokens], md.slot_mapping.to(dev))
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=dev)
+        qloc = md.query_start_loc.to(dev)
+        is_decode = md.is_decode.to(dev)
+        prefill_factor, decode_factor = call.prefill_scale_factor, call.decode_scale_factor
+        counters = (
+            telemetry.counters(call.layer_id, dev)
+            if prefill_factor is not None or decode_factor is not None
+            else None
+        )
+
+        source: dict[str, torch.Tensor] = {}
+        if cache is not None:
+            k, v = cache.k, cache.v
+            causal = True
+            source = dict(page_table=md.page_table.to(dev), seq_lens=md.seq_lens.to(dev))
+            max_kv_len = md.page_table.shape[1] * cache.page_size
+        else:
+            k, v = call.k, call.v
+            if call.prefix_chunk is not None:
+                causal = False
+                kv_loc = _chunk_kv_start_loc(md, call.prefix_chunk, dev)
+                max_kv_len = md.prefix_chunk_tokens
+            else:
+                causal = call.causal
+                kv_loc = qloc
+                max_kv_len = q.shape[0]
+            source = dict(kv_start_loc=kv_loc)
+
+        modes = md.forward_modes
+        if not all(m.is_decode for m in modes):
+            prefill_attention(
+                q, k, v, out, lse, counters,
+                query_start_loc=qloc, is_decode=is_decode, scale=call.scale, causal=causal,
+                factor=prefill_factor, tile_q=cfg.tile_q, tile_kv=cfg.tile_kv,
+                prefix_lens=md.prefix_lens_tensor.to(dev) if cache is not None else None,
+                **source,
+            )
+        if any(m.is_decode for m in modes):
+            decode_attention(
+                q, k, v, out, lse, counters,
+                query_start_loc=qloc, is_decode=is_decode, scale=call.scale, factor=decode_factor,
+                tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
+                **source,
+            )
+        # Padding rows (CUDA-graph padding) are zeroed so they never carry NaN or Inf.
+        if num_tokens < out.shape[0]:
+            out[num_tokens:] = 0
+        return lse if call.return_lse else None
+
+
+register_implementation(TritonAttention())

@@ -1,0 +1,241 @@
+"""Decode attention: split-KV over the keys, then an LSE-weighted reduction of the splits.
+
+A decode request has one query token. One program of the split kernel takes one KV head
+(all ``GROUP`` query heads sharing it, so they share each tile's skip decision), one
+request and one run of ``SPLIT_TILES`` tiles; the first tile of every run is never skipped.
+It writes a normalised partial output and its log2 LSE to a workspace, and the merge
+kernel combines a request's runs into ``out`` and the natural-log LSE.
+
+The workspace and both grids are sized from shapes and fixed bounds (the page table's
+capacity or k/v's rows), so the launch is safe under CUDA graph capture; programs past a
+request's own split count exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fullcg.ops.kernels.tile import attend_tile, kv_offsets
+
+__all__ = ["decode_attention", "DENSE_SPLIT_TILES"]
+
+_LOG2E = 1.4426950408889634
+
+#: Tiles per split for dense decode when the config sets no split (dense results do not
+#: depend on the split, so the kernel picks one that fills the GPU).
+DENSE_SPLIT_TILES = 16
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PartOut, PartLse, Ctr,
+    PageTable, QLoc, KvLoc, SeqLens, IsDecode,
+    stride_qt, stride_qh, stride_ps, stride_pr,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+    qk_scale2, factor,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SKIP: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    req = tl.program_id(2)
+    if tl.load(IsDecode + req) == 0:
+        return
+    q_row = tl.load(QLoc + req).to(tl.int64)
+    if PAGED:
+        kv_len = tl.load(SeqLens + req)
+        kv_start = 0
+    else:
+        kv_start = tl.load(KvLoc + req)
+        kv_len = tl.load(KvLoc + req + 1) - kv_start
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    first = split * SPLIT_TILES
+    if first >= n_tiles:
+        return
+    last = tl.minimum(first + SPLIT_TILES, n_tiles)
+    # Tiles before the request's last one are full: no mask needed there.
+    n_full = tl.minimum(last, kv_len // BLOCK_N)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    head = kvh * GROUP + rows
+    # The one query token sees every key (it is the newest): the limit is kv_len.
+    row_limit = tl.where(row_ok, kv_len, 0)
+    offs_d = tl.arange(0, HEAD_D)
+    offs_dv = tl.arange(0, HEAD_DV)
+    q = tl.load(Q + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    log2_lam = 0.0
+    if SKIP:
+        lam = factor / kv_len.to(tl.float32)
+        log2_lam = tl.where(lam < 1.0, tl.log2(lam), float("-inf"))
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
+    n_skipped = 0
+    page_row = PageTable + req.to(tl.int64) * stride_pt
+    K_h = K + kvh.to(tl.int64) * stride_kh
+    V_h = V + kvh.to(tl.int64) * stride_vh
+    for t in range(first, n_full):
+        k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
+        v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc, sk = attend_tile(
+            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
+            qk_scale2, log2_lam, (t > first).to(tl.int32), False, SKIP, DOT_F32,
+        )
+        n_skipped += sk
+    for t in range(tl.maximum(n_full, first), last):
+        k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
+        v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc, sk = attend_tile(
+            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
+            qk_scale2, log2_lam, (t > first).to(tl.int32), True, SKIP, DOT_F32,
+        )
+        n_skipped += sk
+
+    has = l_i > 0.0
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = req.to(tl.int64) * stride_pr + split.to(tl.int64) * stride_ps
+    tl.store(PartOut + (part + head[:, None]) * HEAD_DV + offs_dv[None, :], o, mask=row_ok[:, None])
+    tl.store(PartLse + part + head, lse2, mask=row_ok)
+    if SKIP:
+        # Decode counters: row [1] of the layer's [2, 2] tensor.
+        tl.atomic_add(Ctr + 2, (last - first).to(tl.int64))
+        tl.atomic_add(Ctr + 3, n_skipped.to(tl.int64))
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PartOut, PartLse, Out, Lse,
+    QLoc, KvLoc, SeqLens, IsDecode,
+    stride_ot, stride_oh, stride_lt, stride_ps, stride_pr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    req = tl.program_id(1)
+    if tl.load(IsDecode + req) == 0:
+        return
+    q_row = tl.load(QLoc + req).to(tl.int64)
+    if PAGED:
+        kv_len = tl.load(SeqLens + req)
+    else:
+        kv_len = tl.load(KvLoc + req + 1) - tl.load(KvLoc + req)
+    n_splits = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLIT_TILES)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kvh * GROUP + g
+    offs_dv = tl.arange(0, HEAD_DV)
+    base = req.to(tl.int64) * stride_pr
+    # Online merge over chunks of BLOCK_S splits (a request may have many).
+    m = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+    w_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DV], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ok = (s < n_splits)[:, None] & g_ok[None, :]
+        idx = base + s[:, None].to(tl.int64) * stride_ps + head[None, :]
+        lse2 = tl.load(PartLse + idx, mask=ok, other=float("-inf"))  # [S, G]
+        m_new = tl.maximum(m, tl.max(lse2, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse2 - m_safe[None, :])  # 0 for empty splits
+        o = tl.load(PartOut + idx[:, :, None] * HEAD_DV + offs_dv[None, None, :], mask=ok[:, :, None], other=0.0)
+        w_sum = w_sum * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m = m_new
+    has = w_sum > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, w_sum, 1.0)[:, None], 0.0)
+    lse = tl.where(has, (m + tl.log2(tl.where(has, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(Out + q_row * stride_ot + head[:, None] * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
+             mask=g_ok[:, None])
+    tl.store(Lse + q_row * stride_lt + head, lse, mask=g_ok)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    counters: torch.Tensor | None,
+    *,
+    query_start_loc: torch.Tensor,
+    is_decode: torch.Tensor,
+    scale: float,
+    factor: float | None,
+    tile_kv: int,
+    split_tiles: int | None,
+    max_kv_len: int,
+    page_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    kv_start_loc: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    """Attention of every decode request of a batch into ``out`` and ``lse``.
+
+    ``k``/``v`` are the paged cache (with ``page_table`` and ``seq_lens``) or ragged rows
+    (with ``kv_start_loc``), as in :func:`fullcg.ops.kernels.prefill.prefill_attention`.
+    ``max_kv_len`` is a fixed upper bound on any request's keys (not read off the device);
+    it sizes the split grid and workspace. ``split_tiles`` None means one run over all keys
+    when skipping (the reference's unsplit walk) and :data:`DENSE_SPLIT_TILES` when dense.
+    """
+    paged = page_table is not None
+    num_requests = query_start_loc.shape[0] - 1
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, head_dim_v = v.shape[-2], v.shape[-1]
+    group = num_q_heads // num_kv_heads
+    skip = factor is not None
+    if skip and counters is None:
+        raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
+    max_tiles = max(1, triton.cdiv(max_kv_len, tile_kv))
+    if split_tiles is None:
+        # Skipping without a configured split: one run over all keys, as the reference walks them.
+        split_tiles = triton.next_power_of_2(max_tiles) if skip else DENSE_SPLIT_TILES
+    # A split longer than any request is one run over all keys: cap it so the constexpr
+    # (and the compiled variant) does not change with the cache size.
+    split_tiles = min(split_tiles, triton.next_power_of_2(max_tiles))
+    max_splits = triton.cdiv(max_tiles, split_tiles)
+    part_out = torch.empty((num_requests, max_splits, num_q_heads, head_dim_v), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_requests, max_splits, num_q_heads), dtype=torch.float32, device=q.device)
+    if paged:
+        page_size = k.shape[1]
+        stride_kp, stride_ks, stride_kh = k.stride(0), k.stride(1), k.stride(2)
+        stride_vp, stride_vs, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+        pt, stride_pt = page_table, page_table.stride(0)
+        kv_loc = query_start_loc  # unused
+    else:
+        assert kv_start_loc is not None, "ragged k/v needs kv_start_loc"
+        page_size = 1
+        stride_kp, stride_ks, stride_kh = 0, k.stride(0), k.stride(1)
+        stride_vp, stride_vs, stride_vh = 0, v.stride(0), v.stride(1)
+        pt, stride_pt = query_start_loc, 0  # unused
+        kv_loc = kv_start_loc
+        seq_lens = query_start_loc  # unused
+    ctr = counters if skip else part_lse  # unused unless skip
+    block_m = max(16, triton.next_power_of_2(group))
+    _decode_split_kernel[(max_splits, num_kv_heads, num_requests)](
+        q, k, v, part_out, part_lse, ctr,
+        pt, query_start_loc, kv_loc, seq_lens, is_decode,
+        q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
+        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+        scale * _LOG2E, float(factor) if skip else 0.0,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
+        HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=paged, PAGE_SIZE=page_size,
+        SKIP=skip, DOT_F32=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_merge_kernel[(num_kv_heads, num_requests)](
+        part_out, part_lse, out, lse,
+        query_start_loc, kv_loc, seq_lens, is_decode,
+        out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
+        BLOCK_S=min(16, triton.next_power_of_2(max_splits)), HEAD_DV=head_dim_v, PAGED=paged,
+        num_warps=4,
+    )

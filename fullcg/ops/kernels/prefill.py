@@ -1,0 +1,203 @@
+"""Prefill/extend attention over a variable-length batch, with skip-softmax and LSE.
+
+One program computes one row block of one request for one KV head: ``TILE_Q`` query
+tokens times the ``GROUP`` query heads that share the KV head (GQA packing, so K and V
+tiles are loaded once for the whole group). Rows are token-major: row ``i`` is token
+``i // GROUP``, head ``i % GROUP`` of the group. Keys come from the paged KV cache (causal
+over prefix plus new tokens) or from a ragged k/v tensor (causal or not).
+
+Decode requests are left to :mod:`fullcg.ops.kernels.decode`; their programs exit at once.
+The grid is sized from tensor shapes only (tokens, heads, requests), never from lengths
+read off the device, so launches are safe under CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fullcg.ops.kernels.tile import attend_tile, kv_offsets
+
+__all__ = ["prefill_attention"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Out, Lse, Ctr,
+    PageTable, QLoc, KvLoc, SeqLens, PrefixLens, IsDecode,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+    qk_scale2, factor,
+    GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, SKIP: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    kvh = tl.program_id(1)
+    req = tl.program_id(2)
+    if tl.load(IsDecode + req) != 0:
+        return
+    q_start = tl.load(QLoc + req)
+    n_q = tl.load(QLoc + req + 1) - q_start
+    n_blocks = tl.cdiv(n_q, TILE_Q)
+    # Heaviest (last, under a causal mask) blocks first: better tail balance.
+    blk = n_blocks - 1 - tl.program_id(0)
+    if blk < 0:
+        return
+    if PAGED:
+        kv_len = tl.load(SeqLens + req)
+        offset = tl.load(PrefixLens + req)
+        kv_start = 0
+    else:
+        kv_start = tl.load(KvLoc + req)
+        kv_len = tl.load(KvLoc + req + 1) - kv_start
+        offset = 0
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = blk * TILE_Q + rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = (rows < TILE_Q * GROUP) & (tok < n_q)
+    if CAUSAL:
+        row_limit = tl.minimum(offset + tok + 1, kv_len)
+    else:
+        row_limit = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len
+    row_limit = tl.where(row_ok, row_limit, 0)
+    # Keys every real row sees (unmasked tiles) and keys any real row sees (the loop's end).
+    first_tok = blk * TILE_Q
+    last_tok = tl.minimum(first_tok + TILE_Q, n_q) - 1
+    if CAUSAL:
+        lo_keys = tl.minimum(offset + first_tok + 1, kv_len)
+        hi_keys = tl.minimum(offset + last_tok + 1, kv_len)
+    else:
+        lo_keys = kv_len
+        hi_keys = kv_len
+    n_full = lo_keys // BLOCK_N
+    n_tiles = tl.cdiv(hi_keys, BLOCK_N)
+
+    offs_d = tl.arange(0, HEAD_D)
+    offs_dv = tl.arange(0, HEAD_DV)
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None], other=0.0,
+    )
+
+    log2_lam = 0.0
+    if SKIP:
+        lam = factor / kv_len.to(tl.float32)
+        # lambda >= 1 means no skipping for this request: -inf makes the test always false.
+        log2_lam = tl.where(lam < 1.0, tl.log2(lam), float("-inf"))
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
+    n_skipped = 0
+    page_row = PageTable + req.to(tl.int64) * stride_pt
+    K_h = K + kvh.to(tl.int64) * stride_kh
+    V_h = V + kvh.to(tl.int64) * stride_vh
+    for t in range(0, n_full):
+        k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
+        v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc, sk = attend_tile(
+            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
+            qk_scale2, log2_lam, (t > 0).to(tl.int32), False, SKIP, DOT_F32,
+        )
+        n_skipped += sk
+    for t in range(n_full, n_tiles):
+        k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
+        v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc, sk = attend_tile(
+            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
+            qk_scale2, log2_lam, (t > 0).to(tl.int32), True, SKIP, DOT_F32,
+        )
+        n_skipped += sk
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    o = tl.where(has[:, None], o, 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(
+        Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+        o.to(Out.dtype.element_ty), mask=row_ok[:, None],
+    )
+    tl.store(Lse + q_rows * stride_lt + head, lse, mask=row_ok)
+    if SKIP:
+        # Prefill/extend counters: row [0] of the layer's [2, 2] tensor.
+        tl.atomic_add(Ctr + 0, n_tiles.to(tl.int64))
+        tl.atomic_add(Ctr + 1, n_skipped.to(tl.int64))
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    counters: torch.Tensor | None,
+    *,
+    query_start_loc: torch.Tensor,
+    is_decode: torch.Tensor,
+    scale: float,
+    causal: bool,
+    factor: float | None,
+    tile_q: int,
+    tile_kv: int,
+    page_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
+    kv_start_loc: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
+    """Attention of every non-decode request of a batch into ``out`` and ``lse``.
+
+    With ``page_table`` (plus ``seq_lens`` and ``prefix_lens``), ``k``/``v`` are the paged
+    cache ``[pages, page_size, Hkv, D]`` and attention is causal over prefix plus new tokens.
+    Without, ``k``/``v`` are ragged ``[rows, Hkv, D]`` and request ``r`` owns rows
+    ``kv_start_loc[r] : kv_start_loc[r + 1]``. ``factor`` None is dense attention;
+    otherwise skip-softmax with ``lambda = factor / kv_len`` and tiles counted into
+    ``counters[0]``. ``lse`` is written in natural log for the rows computed here.
+    """
+    paged = page_table is not None
+    num_requests = query_start_loc.shape[0] - 1
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, head_dim_v = v.shape[-2], v.shape[-1]
+    group = num_q_heads // num_kv_heads
+    block_m = max(16, triton.next_power_of_2(tile_q * group))
+    if paged:
+        page_size = k.shape[1]
+        stride_kp, stride_ks, stride_kh = k.stride(0), k.stride(1), k.stride(2)
+        stride_vp, stride_vs, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+        pt, stride_pt = page_table, page_table.stride(0)
+        kv_loc = query_start_loc  # unused
+    else:
+        assert kv_start_loc is not None, "ragged k/v needs kv_start_loc"
+        page_size = 1
+        stride_kp, stride_ks, stride_kh = 0, k.stride(0), k.stride(1)
+        stride_vp, stride_vs, stride_vh = 0, v.stride(0), v.stride(1)
+        pt, stride_pt = query_start_loc, 0  # unused
+        kv_loc = kv_start_loc
+        seq_lens = prefix_lens = query_start_loc  # unused
+    skip = factor is not None
+    ctr = counters if (skip and counters is not None) else lse  # unused unless skip
+    if skip and counters is None:
+        raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
+    if num_warps is None:
+        num_warps = 8 if block_m * max(head_dim, head_dim_v) >= 128 * 128 else 4
+    if num_stages is None:
+        num_stages = 2
+    grid = (triton.cdiv(q.shape[0], tile_q), num_kv_heads, num_requests)
+    _prefill_kernel[grid](
+        q, k, v, out, lse, ctr,
+        pt, query_start_loc, kv_loc, seq_lens, prefix_lens, is_decode,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+        scale * _LOG2E, float(factor) if skip else 0.0,
+        GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_N=tile_kv,
+        HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=paged, PAGE_SIZE=page_size,
+        CAUSAL=causal, SKIP=skip, DOT_F32=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )

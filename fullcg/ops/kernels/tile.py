@@ -1,0 +1,109 @@
+"""The inner step shared by the prefill and decode kernels: one KV tile of skip-softmax attention.
+
+A program owns a block of query rows (``BLOCK_M``, some of them padding) and walks KV
+tiles of ``BLOCK_N`` keys. Scores are kept in log2 space (``qk_scale2 = scale * log2(e)``)
+so the kernel uses ``exp2``; the skip test ``exp(tile_max - running_max) < lambda`` becomes
+``tile_max2 - running_max2 < log2(lambda)``, the same rule the reference applies.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kv_offsets(
+    page_row_ptr,
+    kv_start,
+    tile_start,
+    kv_len,
+    stride_page,
+    stride_slot,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Element offsets (before the head and dim terms) of keys ``tile_start + [0, BLOCK_N)``.
+
+    Paged: through the request's page-table row. Otherwise rows ``kv_start + pos`` of a
+    ragged k/v tensor (``stride_page`` is unused there).
+    """
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    if PAGED:
+        if PAGE_SIZE % BLOCK_N == 0:
+            # The whole tile lies in one page: one page-table load instead of a gather.
+            page = tl.load(page_row_ptr + tile_start // PAGE_SIZE).to(tl.int64)
+            offs = page * stride_page + (pos % PAGE_SIZE).to(tl.int64) * stride_slot
+        else:
+            # Page-table entries past the request's keys may be stale: never look them up.
+            pages = tl.load(page_row_ptr + pos // PAGE_SIZE, mask=pos < kv_len, other=0).to(tl.int64)
+            offs = pages * stride_page + (pos % PAGE_SIZE).to(tl.int64) * stride_slot
+    else:
+        offs = (kv_start + pos).to(tl.int64) * stride_slot
+    return offs, pos
+
+
+@triton.jit
+def attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    K,
+    V,
+    k_offs,
+    v_offs,
+    pos,
+    row_limit,
+    kv_len,
+    offs_d,
+    offs_dv,
+    qk_scale2,
+    log2_lam,
+    may_skip,
+    MASK: tl.constexpr,
+    SKIP: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """One tile: scores, the block's skip decision, then (unless skipped) exp, row sums and P·V.
+
+    ``row_limit[i]`` is one past the last key row ``i`` may see (0 for padding rows); with
+    ``MASK`` false every key of the tile is visible to every real row. ``may_skip`` is false
+    for the first tile of a run. Returns the new state and 1 if the tile was skipped.
+    """
+    if MASK:
+        k = tl.load(K + k_offs[:, None] + offs_d[None, :], mask=(pos < kv_len)[:, None], other=0.0)
+    else:
+        k = tl.load(K + k_offs[:, None] + offs_d[None, :])
+    if DOT_F32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale2
+    if MASK:
+        qk = tl.where(pos[None, :] < row_limit[:, None], qk, float("-inf"))
+    tile_max = tl.max(qk, 1)
+    skipped = 0
+    if SKIP:
+        # Padding rows (row_limit 0) see nothing: they always agree to skip.
+        seen = tl.where(row_limit > 0, tile_max, float("-inf"))
+        agree = (seen == float("-inf")) | ((m_i > float("-inf")) & (seen - m_i < log2_lam))
+        all_agree = tl.min(agree.to(tl.int32), 0)
+        skipped = (all_agree * may_skip).to(tl.int32)
+    if skipped == 0:
+        m_new = tl.maximum(m_i, tile_max)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(V + v_offs[:, None] + offs_dv[None, :], mask=(pos < kv_len)[:, None], other=0.0)
+        else:
+            v = tl.load(V + v_offs[:, None] + offs_dv[None, :])
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc, skipped

@@ -1,0 +1,65 @@
+"""torch.library.opcheck: schema, fake implementation and AOT dispatch of every fullcg op."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import fullcg
+from fullcg.ops import ATTENTION_OPS
+from batches import make_batch
+
+BATCHES = {
+    "prefill": ([6, 3], [0, 0]),
+    "extend": ([4, 2], [5, 9]),
+    "decode": ([1, 1], [7, 3]),
+    "mixed": ([5, 1, 3], [0, 6, 4]),
+}
+OPS = {str(op).split(".")[1]: op for op in ATTENTION_OPS.values()}
+
+
+@pytest.mark.parametrize(
+    "op_name,batch,skip,padded",
+    [
+        (op, batch, skip, padded)
+        for op, batch, skip, padded in itertools.product(OPS, BATCHES, [False, True], [False, True])
+    ],
+)
+def test_attention_ops_pass_opcheck(op_name, batch, skip, padded):
+    q_lens, p_lens = BATCHES[batch]
+    b = make_batch(q_lens, p_lens, sink=10.0)
+    q, k, v = b.q, b.k, b.v
+    kv_tokens = None
+    if padded:
+        kv_tokens = k.shape[0]
+        q, k, v = (torch.cat([t, torch.zeros(2, *t.shape[1:])]) for t in (q, k, v))
+    out = torch.empty_like(q)
+    factors = (4.0, 2.0) if skip else (None, None)
+    config = fullcg.FullCGConfig(skip_softmax=fullcg.SkipSoftmaxConfig(tile_kv=4, tile_q=2))
+    with fullcg.forward_context(b.metadata, b.layer, config=config):
+        torch.library.opcheck(OPS[op_name], (q, k, v, out, 0, kv_tokens, *factors, None, True, True, None))
+
+
+def test_given_kv_and_prefix_chunk_attention_pass_opcheck():
+    b = make_batch([4, 2], [5, 9], prefix_chunk_tokens=6)
+    with fullcg.forward_context(b.metadata, b.layer):
+        out = torch.empty_like(b.q)
+        torch.library.opcheck(
+            torch.ops.fullcg.attention_with_lse.default, (b.q, b.k, b.v, out, 0, None, None, None, None, False, False, None)
+        )
+        kc, vc = b.layer.gather_prefix_chunk(1)
+        torch.library.opcheck(torch.ops.fullcg.gather_prefix_chunk.default, (kc, vc, 0, 1))
+        torch.library.opcheck(
+            torch.ops.fullcg.breakable_attention_with_lse.default, (b.q, kc, vc, out, 0, None, None, None, None, False, False, 1)
+        )
+
+
+def test_merge_attn_states_passes_opcheck():
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    la, lb = torch.randn(5, 3), torch.randn(5, 3)
+    la[0, 0] = float("-inf")
+    for out_lse in (None, torch.empty(5, 3)):
+        torch.library.opcheck(torch.ops.fullcg.merge_attn_states.default, (torch.empty(5, 3, 8), a, la, b, lb, out_lse))
