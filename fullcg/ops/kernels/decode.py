@@ -85,7 +85,7 @@ def _decode_split_kernel(
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
             q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
-            qk_scale2, log2_lam, (t > first).to(tl.int32), False, SKIP, DOT_F32,
+            qk_scale2, log2_lam, t - first, False, SKIP, DOT_F32,
         )
         n_skipped += sk
     for t in range(tl.maximum(n_full, first), last):
@@ -93,7 +93,7 @@ def _decode_split_kernel(
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
             q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
-            qk_scale2, log2_lam, (t > first).to(tl.int32), True, SKIP, DOT_F32,
+            qk_scale2, log2_lam, t - first, True, SKIP, DOT_F32,
         )
         n_skipped += sk
 

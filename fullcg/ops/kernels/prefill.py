@@ -103,7 +103,7 @@ def _prefill_kernel(
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
             q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
-            qk_scale2, log2_lam, (t > 0).to(tl.int32), False, SKIP, DOT_F32,
+            qk_scale2, log2_lam, t, False, SKIP, DOT_F32,
         )
         n_skipped += sk
     for t in range(n_full, n_tiles):
@@ -111,7 +111,7 @@ def _prefill_kernel(
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
             q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
-            qk_scale2, log2_lam, (t > 0).to(tl.int32), True, SKIP, DOT_F32,
+            qk_scale2, log2_lam, t, True, SKIP, DOT_F32,
         )
         n_skipped += sk
 

@@ -61,7 +61,7 @@ def attend_tile(
     offs_dv,
     qk_scale2,
     log2_lam,
-    may_skip,
+    run_index,
     MASK: tl.constexpr,
     SKIP: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -69,8 +69,8 @@ def attend_tile(
     """One tile: scores, the block's skip decision, then (unless skipped) exp, row sums and P·V.
 
     ``row_limit[i]`` is one past the last key row ``i`` may see (0 for padding rows); with
-    ``MASK`` false every key of the tile is visible to every real row. ``may_skip`` is false
-    for the first tile of a run. Returns the new state and 1 if the tile was skipped.
+    ``MASK`` false every key of the tile is visible to every real row. ``run_index`` is the tile's
+    place in its run: 0 for the first tile of a run. Returns the new state and 1 if the tile was skipped.
     """
     if MASK:
         k = tl.load(K + k_offs[:, None] + offs_d[None, :], mask=(pos < kv_len)[:, None], other=0.0)
@@ -88,9 +88,11 @@ def attend_tile(
     if SKIP:
         # Padding rows (row_limit 0) see nothing: they always agree to skip.
         seen = tl.where(row_limit > 0, tile_max, float("-inf"))
-        agree = (seen == float("-inf")) | ((m_i > float("-inf")) & (seen - m_i < log2_lam))
+        m_known = m_i > float("-inf")
+        gap = seen - tl.where(m_known, m_i, 0.0)  # never -inf - -inf: no NaN even where unused
+        agree = (seen == float("-inf")) | (m_known & (gap < log2_lam))
         all_agree = tl.min(agree.to(tl.int32), 0)
-        skipped = (all_agree * may_skip).to(tl.int32)
+        skipped = tl.where(run_index > 0, all_agree, 0)
     if skipped == 0:
         m_new = tl.maximum(m_i, tile_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
