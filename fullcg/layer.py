@@ -123,6 +123,7 @@ class Attention(nn.Module):
         use_kv_cache: bool = True,
         causal: bool = True,
         prefix_chunk: int | None = None,
+        save_kv_cache: bool | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend ``q`` over this step's keys; returns ``out`` (and LSE if ``return_lse``).
 
@@ -132,7 +133,9 @@ class Attention(nn.Module):
         prefix and new tokens. With ``use_kv_cache=False`` it attends over ``k``/``v`` as
         given, packed per request like ``q`` (``causal`` or not), or, with
         ``prefix_chunk=c``, over chunk ``c`` of the cached prefix as gathered by
-        :meth:`gather_prefix_chunk`. ``key_value_num_tokens`` says how many leading rows
+        :meth:`gather_prefix_chunk`. ``save_kv_cache`` (default: ``use_kv_cache``) writes
+        the new ``k``/``v`` into the cache; the chunked-prefix pattern sets it for the
+        suffix, which attends over given k/v. ``key_value_num_tokens`` says how many leading rows
         of ``k``/``v`` are valid; the rest (padding) is never read. LSE is
         ``float32 [T, num_heads]``, natural log.
         """
@@ -145,7 +148,7 @@ class Attention(nn.Module):
         op = ATTENTION_OPS[(context.is_breakable(), bool(return_lse))]
         lse = op(
             q3, k3, v3, out, self.layer_id, key_value_num_tokens, prefill_factor, decode_factor, self.scale,
-            use_kv_cache, causal, prefix_chunk,
+            use_kv_cache, causal, prefix_chunk, use_kv_cache if save_kv_cache is None else save_kv_cache,
         )
         if flat:
             out = out.view(q3.shape[0], self.num_heads * self.v_head_dim)

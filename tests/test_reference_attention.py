@@ -78,7 +78,7 @@ def test_attention_over_given_kv_without_a_cache(causal):
 
 def _chunked_prefix_attention(b, layer):
     """The chunked-prefix pattern: suffix over itself with LSE, each prefix chunk with LSE, merged."""
-    out, lse = layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, causal=True)
+    out, lse = layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, causal=True, save_kv_cache=True)
     for c in range(fullcg.context.num_prefix_chunks()):
         kc, vc = layer.gather_prefix_chunk(c)
         oc, lc = layer(b.q, kc, vc, return_lse=True, use_kv_cache=False, causal=False, prefix_chunk=c)
@@ -97,6 +97,14 @@ def test_chunked_prefix_merge_equals_attention_over_the_whole_sequence(chunk_tok
     expected_out, expected_lse = oracle(b)
     assert (out.double() - expected_out).abs().max() < 1e-5
     assert (lse.double() - expected_lse).abs().max() < 1e-5
+    # The suffix call saved the new tokens, so plain cache attention now sees the same sequence.
+    with fullcg.forward_context(b.metadata, b.layer):
+        cached = b.layer(b.q, b.k, b.v, use_kv_cache=True, save_kv_cache=True)
+    assert (cached.double() - expected_out).abs().max() < 1e-5
+    fresh = make_batch([5, 3, 4], [11, 0, 6], prefix_chunk_tokens=chunk_tokens, seed=3)
+    with fullcg.forward_context(fresh.metadata, fresh.layer):
+        fresh.layer(fresh.q, fresh.k, fresh.v, return_lse=True, use_kv_cache=False, save_kv_cache=True)
+    assert torch.equal(fresh.layer.kv_cache.k, b.layer.kv_cache.k)
 
 
 def test_padding_rows_of_kv_are_never_read():

@@ -38,6 +38,7 @@ __all__ = [
     "merge_attn_states",
     "gather_prefix_chunk",
     "ATTENTION_OPS",
+    "ATTRIBUTE_NAMES",
 ]
 
 _BREAKABLE_TAGS: tuple[torch.Tag, ...] = (
@@ -45,143 +46,68 @@ _BREAKABLE_TAGS: tuple[torch.Tag, ...] = (
 )
 
 
-def _run(
-    op: str,
-    return_lse: bool,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    layer_id: int,
-    key_value_num_tokens: Optional[int],
-    skip_softmax_prefill_scale_factor: Optional[float],
-    skip_softmax_decode_scale_factor: Optional[float],
-    scale: Optional[float],
-    use_kv_cache: bool,
-    causal: bool,
-    prefix_chunk: Optional[int],
-) -> Optional[torch.Tensor]:
-    check_tensors(
-        op, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
-        skip_softmax_decode_scale_factor, use_kv_cache, causal, prefix_chunk,
-    )
-    ctx = get_forward_context()
-    call = AttentionCall(
+#: The attributes every attention op takes after ``q, k, v, out``, in schema order.
+ATTRIBUTE_SCHEMA = (
+    "int layer_id, SymInt? key_value_num_tokens=None, float? skip_softmax_prefill_scale_factor=None, "
+    "float? skip_softmax_decode_scale_factor=None, float? scale=None, bool use_kv_cache=True, "
+    "bool causal=True, int? prefix_chunk=None, bool? save_kv_cache=None"
+)
+ATTRIBUTE_NAMES = tuple(part.split("=")[0].split()[-1] for part in ATTRIBUTE_SCHEMA.split(", "))
+_ATTRIBUTE_DEFAULTS = (None, None, None, None, True, True, None, None)  # all but layer_id
+
+
+def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple) -> AttentionCall:
+    """Name the positional attributes the dispatcher passes and fill in derived defaults."""
+    values = dict(zip(ATTRIBUTE_NAMES, attrs + _ATTRIBUTE_DEFAULTS[len(attrs) - 1 :]))
+    use_kv_cache = values["use_kv_cache"]
+    save = values["save_kv_cache"]
+    return AttentionCall(
         op=op,
         q=q,
         k=k,
         v=v,
         out=out,
-        layer_id=layer_id,
-        key_value_num_tokens=key_value_num_tokens,
-        prefill_scale_factor=skip_softmax_prefill_scale_factor,
-        decode_scale_factor=skip_softmax_decode_scale_factor,
-        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        layer_id=values["layer_id"],
+        key_value_num_tokens=values["key_value_num_tokens"],
+        prefill_scale_factor=values["skip_softmax_prefill_scale_factor"],
+        decode_scale_factor=values["skip_softmax_decode_scale_factor"],
+        scale=values["scale"] if values["scale"] is not None else 1.0 / math.sqrt(q.shape[-1]),
         use_kv_cache=use_kv_cache,
-        causal=causal,
-        prefix_chunk=prefix_chunk,
+        causal=values["causal"],
+        prefix_chunk=values["prefix_chunk"],
+        save_kv_cache=use_kv_cache if save is None else save,
         return_lse=return_lse,
     )
-    cache = check_against_context(call, ctx)
-    impl = resolve_implementation(ctx.config.attention_impl, q.device)
-    lse = impl.forward(call, ctx, cache)
-    if return_lse and lse is None:
-        raise RuntimeError(f"attention implementation {impl.name!r} returned no LSE for fullcg.{op}")
-    return lse if return_lse else None
-
-
-def _fake(
-    op: str,
-    return_lse: bool,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    layer_id: int,
-    key_value_num_tokens: Optional[int],
-    skip_softmax_prefill_scale_factor: Optional[float],
-    skip_softmax_decode_scale_factor: Optional[float],
-    use_kv_cache: bool,
-    causal: bool,
-    prefix_chunk: Optional[int],
-) -> Optional[torch.Tensor]:
-    check_tensors(
-        op, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
-        skip_softmax_decode_scale_factor, use_kv_cache, causal, prefix_chunk,
-    )
-    if return_lse:
-        return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
-    return None
 
 
 def _define(name: str, return_lse: bool, breakable: bool) -> object:
     """Define one of the four attention ops; they differ only in name, tags and result."""
-    tags = _BREAKABLE_TAGS if breakable else ()
 
-    if return_lse:
+    def kernel(q, k, v, out, *attrs):
+        call = _bind(name, return_lse, q, k, v, out, attrs)
+        check_tensors(call)
+        ctx = get_forward_context()
+        cache = check_against_context(call, ctx)
+        impl = resolve_implementation(ctx.config.attention_impl, q.device)
+        if call.save_kv_cache:
+            assert cache is not None
+            save = getattr(impl, "save_kv", None) or reference.save_new_kv
+            save(call, ctx, cache)
+        lse = impl.forward(call, ctx, cache if call.use_kv_cache else None)
+        if return_lse and lse is None:
+            raise RuntimeError(f"attention implementation {impl.name!r} returned no LSE for fullcg.{name}")
+        return lse if return_lse else None
 
-        def op_with_lse(
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            out: torch.Tensor,
-            layer_id: int,
-            key_value_num_tokens: Optional[int] = None,
-            skip_softmax_prefill_scale_factor: Optional[float] = None,
-            skip_softmax_decode_scale_factor: Optional[float] = None,
-            scale: Optional[float] = None,
-            use_kv_cache: bool = True,
-            causal: bool = True,
-            prefix_chunk: Optional[int] = None,
-        ) -> torch.Tensor:
-            lse = _run(
-                name, True, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
-                skip_softmax_decode_scale_factor, scale, use_kv_cache, causal, prefix_chunk,
-            )
-            assert lse is not None
-            return lse
+    def fake(q, k, v, out, *attrs):
+        check_tensors(_bind(name, return_lse, q, k, v, out, attrs))
+        return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if return_lse else None
 
-        fn = op_with_lse
-    else:
-
-        def op_plain(
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            out: torch.Tensor,
-            layer_id: int,
-            key_value_num_tokens: Optional[int] = None,
-            skip_softmax_prefill_scale_factor: Optional[float] = None,
-            skip_softmax_decode_scale_factor: Optional[float] = None,
-            scale: Optional[float] = None,
-            use_kv_cache: bool = True,
-            causal: bool = True,
-            prefix_chunk: Optional[int] = None,
-        ) -> None:
-            _run(
-                name, False, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
-                skip_softmax_decode_scale_factor, scale, use_kv_cache, causal, prefix_chunk,
-            )
-
-        fn = op_plain
-
-    fn.__name__ = name
-    schema = (
-        "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer_id, SymInt? key_value_num_tokens=None, "
-        "float? skip_softmax_prefill_scale_factor=None, float? skip_softmax_decode_scale_factor=None, "
-        "float? scale=None, bool use_kv_cache=True, bool causal=True, int? prefix_chunk=None) -> "
-        + ("Tensor" if return_lse else "()")
+    kernel.__name__ = name
+    schema = f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {ATTRIBUTE_SCHEMA}) -> " + ("Tensor" if return_lse else "()")
+    defined = torch.library.custom_op(
+        f"fullcg::{name}", kernel, mutates_args=("out",), tags=_BREAKABLE_TAGS if breakable else (), schema=schema
     )
-    defined = torch.library.custom_op(f"fullcg::{name}", fn, mutates_args=("out",), tags=tags, schema=schema)
-
-    @defined.register_fake
-    def _(q, k, v, out, layer_id, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=None,
-          skip_softmax_decode_scale_factor=None, scale=None, use_kv_cache=True, causal=True, prefix_chunk=None):
-        return _fake(
-            name, return_lse, q, k, v, out, layer_id, key_value_num_tokens, skip_softmax_prefill_scale_factor,
-            skip_softmax_decode_scale_factor, use_kv_cache, causal, prefix_chunk,
-        )
-
+    defined.register_fake(fake)
     return defined
 
 

@@ -41,6 +41,7 @@ class AttentionCall:
     use_kv_cache: bool
     causal: bool
     prefix_chunk: int | None
+    save_kv_cache: bool
     return_lse: bool
 
     @property
@@ -60,25 +61,13 @@ def _shape(t: torch.Tensor) -> tuple[object, ...]:
     return tuple(t.shape)
 
 
-def check_tensors(
-    op: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    layer_id: int,
-    key_value_num_tokens: int | None,
-    prefill_scale_factor: float | None,
-    decode_scale_factor: float | None,
-    use_kv_cache: bool,
-    causal: bool,
-    prefix_chunk: int | None,
-) -> None:
+def check_tensors(call: AttentionCall) -> None:
     """Shape, dtype, device and attribute checks that need no forward context.
 
     Runs in the fake implementation too, so bad input fails at trace time.
     """
-    where = f"fullcg.{op} (layer {layer_id})"
+    q, k, v, out, layer_id = call.q, call.k, call.v, call.out, call.layer_id
+    where = f"fullcg.{call.op} (layer {layer_id})"
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t.dim() != 3:
             raise ValueError(f"{where}: {name} must be 3-D [tokens, heads, head_dim], got shape {_shape(t)}")
@@ -105,25 +94,32 @@ def check_tensors(
         raise ValueError(f"{where}: out must have shape {expected_out} [tokens, q_heads, v_head_dim], got {_shape(out)}")
     if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
         raise ValueError(f"{where}: layer_id must be a non-negative integer, got {layer_id!r}")
-    if key_value_num_tokens is not None:
-        message = f"{where}: key_value_num_tokens must lie in [0, {k.shape[0]}] (rows of k/v), got {key_value_num_tokens}"
-        if isinstance(key_value_num_tokens, int) and isinstance(k.shape[0], int):
-            if not 0 <= key_value_num_tokens <= k.shape[0]:
+    kv_tokens = call.key_value_num_tokens
+    if kv_tokens is not None:
+        message = f"{where}: key_value_num_tokens must lie in [0, {k.shape[0]}] (rows of k/v), got {kv_tokens}"
+        if isinstance(kv_tokens, int) and isinstance(k.shape[0], int):
+            if not 0 <= kv_tokens <= k.shape[0]:
                 raise ValueError(message)
         else:  # symbolic while tracing: a runtime assertion instead of a guard on the value
-            torch._check(key_value_num_tokens >= 0, lambda: message)
-            torch._check(key_value_num_tokens <= k.shape[0], lambda: message)
-    check_scale_factor(prefill_scale_factor, "skip_softmax_prefill_scale_factor")
-    check_scale_factor(decode_scale_factor, "skip_softmax_decode_scale_factor")
-    if use_kv_cache and (not causal or prefix_chunk is not None):
+            torch._check(kv_tokens >= 0, lambda: message)
+            torch._check(kv_tokens <= k.shape[0], lambda: message)
+    check_scale_factor(call.prefill_scale_factor, "skip_softmax_prefill_scale_factor")
+    check_scale_factor(call.decode_scale_factor, "skip_softmax_decode_scale_factor")
+    if call.use_kv_cache and (not call.causal or call.prefix_chunk is not None):
         raise ValueError(
             f"{where}: attention over the KV cache is always causal over the request's prefix and new tokens; "
             "pass use_kv_cache=False to attend over given k/v (non-causal or a prefix chunk)"
         )
-    if prefix_chunk is not None and (prefix_chunk < 0 or causal):
+    if call.use_kv_cache and not call.save_kv_cache:
         raise ValueError(
-            f"{where}: prefix_chunk must be >= 0 and the chunk is attended without a causal mask "
-            f"(every new token sees the whole prefix); got prefix_chunk={prefix_chunk}, causal={causal}"
+            f"{where}: attention over the KV cache needs the new tokens' k/v in it; "
+            "save_kv_cache=False is only for attention over given k/v"
+        )
+    if call.prefix_chunk is not None and (call.prefix_chunk < 0 or call.causal or call.save_kv_cache):
+        raise ValueError(
+            f"{where}: prefix_chunk must be >= 0, and a chunk is attended without a causal mask (every new token "
+            "sees the whole prefix) and never saved (it is already cached); got prefix_chunk="
+            f"{call.prefix_chunk}, causal={call.causal}, save_kv_cache={call.save_kv_cache}"
         )
 
 
@@ -152,7 +148,7 @@ def check_against_context(call: AttentionCall, ctx: ForwardContext) -> KVCache |
             f"{where}: the batch reads {rows} rows of k/v but only {available} are valid "
             "(k.shape[0] or key_value_num_tokens)"
         )
-    if not call.use_kv_cache:
+    if not (call.use_kv_cache or call.save_kv_cache):
         return None
     cache = ctx.kv_caches.get(call.layer_id)
     if cache is None:

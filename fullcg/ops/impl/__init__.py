@@ -20,16 +20,23 @@ __all__ = ["AttentionImpl", "register_implementation", "resolve_implementation",
 
 
 class AttentionImpl(Protocol):
-    """What an attention implementation provides."""
+    """What an attention implementation provides.
+
+    It may also define ``save_kv(call, ctx, cache)``, which writes the batch's new k/v into
+    the layer's cache (``metadata.slot_mapping``) before ``forward`` runs whenever
+    ``call.save_kv_cache``; without it the reference implementation's plain-torch copy is
+    used.
+    """
 
     name: str
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return LSE ``float32 [T, Hq]`` iff ``call.return_lse``.
 
-        ``cache`` is the layer's KV cache when ``call.use_kv_cache``: the implementation
-        first writes the new k/v into it (``metadata.slot_mapping``), then attends.
-        Rows of ``out`` past the batch's real tokens are zeroed (LSE -inf there).
+        ``cache`` is the layer's KV cache when ``call.use_kv_cache`` (the new tokens are
+        already in it); attend over each request's prefix and new tokens there. Otherwise
+        attend over ``call.k``/``call.v``. Rows of ``out`` past the batch's real tokens are
+        zeroed (LSE -inf there).
         """
         ...
 

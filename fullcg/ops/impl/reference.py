@@ -19,7 +19,7 @@ from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
 
-__all__ = ["ReferenceAttention", "attend_dense", "attend_tiled", "merge_states", "save_kv", "read_kv"]
+__all__ = ["ReferenceAttention", "attend_dense", "attend_tiled", "merge_states", "save_kv", "save_new_kv", "read_kv"]
 
 _NEG_INF = float("-inf")
 
@@ -30,6 +30,12 @@ def save_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torc
     flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
     flat_k.index_copy_(0, slot_mapping, k.to(cache.k.dtype))
     flat_v.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
+
+
+def save_new_kv(call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
+    """Write the batch's new k/v (the first ``num_tokens`` rows) into the layer's cache."""
+    n = ctx.metadata.num_tokens
+    save_kv(cache, call.k[:n], call.v[:n], ctx.metadata.slot_mapping.to(cache.k.device))
 
 
 def _slots(page_table_row: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int) -> torch.Tensor:
@@ -229,14 +235,13 @@ class ReferenceAttention:
     """Plain-torch attention for any device; see the module docstring."""
 
     name = "reference"
+    save_kv = staticmethod(save_new_kv)
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         md = ctx.metadata
         q, out = call.q, call.out
         num_tokens = md.num_tokens
         skip_cfg = ctx.config.skip_softmax
-        if cache is not None:
-            save_kv(cache, call.k[:num_tokens], call.v[:num_tokens], md.slot_mapping.to(q.device))
         lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32, device=q.device) if call.return_lse else None
         starts = md.query_starts
         chunk = md.prefix_chunks[call.prefix_chunk] if call.prefix_chunk is not None else None
