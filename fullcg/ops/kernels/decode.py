@@ -70,7 +70,7 @@ def _decode_split_kernel(
 
     log2_lam = 0.0
     if SKIP:
-        lam = factor / kv_len.to(tl.float32)
+        lam = factor / tl.maximum(kv_len, 1).to(tl.float32)  # kv_len 0: no tiles anyway
         log2_lam = tl.where(lam < 1.0, tl.log2(lam), float("-inf"))
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")

@@ -87,7 +87,7 @@ def _prefill_kernel(
 
     log2_lam = 0.0
     if SKIP:
-        lam = factor / kv_len.to(tl.float32)
+        lam = factor / tl.maximum(kv_len, 1).to(tl.float32)  # kv_len 0: no tiles anyway
         # lambda >= 1 means no skipping for this request: -inf makes the test always false.
         log2_lam = tl.where(lam < 1.0, tl.log2(lam), float("-inf"))
 
