@@ -1,0 +1,290 @@
+"""Skip-softmax attention on a Hopper GPU: the ``triton`` kernels against dense attention.
+
+Shapes as published for skip-softmax (64 q / 4 kv heads and 32 / 8, head dim 128, bf16):
+prefill batch 1 at 16k, 32k, 64k tokens; decode batch 64 at 16k and 64k keys. Reports
+
+* dense throughput: TFLOP/s for prefill (causal: 2 matmuls x 2 flops x N^2/2 x heads x dim),
+  TB/s of K and V read for decode, for our kernels and torch SDPA;
+* for a sweep of skip-softmax factors: tiles skipped (the kernels' own counters), time,
+  speed-up over our dense kernel, and relative output error against float64 on a subset
+  of rows (``||o - o64|| / ||o64||``);
+* a plot of speed-up and error against the skipped fraction.
+
+Random Q/K skip nothing, so inputs have controllable structure: attention sinks (the
+first keys), a local window (sinusoidal position features shared by q and k), a few heavy
+keys, over unit-variance noise. Logit sizes are arguments.
+
+Run: ``python benchmarks/skip_softmax.py --out results/`` (needs a CUDA GPU and triton).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+
+from fullcg.ops.kernels import decode_attention, prefill_attention
+
+HEADS = [(64, 4), (32, 8)]
+HEAD_DIM = 128
+DTYPE = torch.bfloat16
+PAGE = 64
+
+
+def structured_qk(
+    positions_q: torch.Tensor,
+    positions_k: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    sink_logit: float,
+    window_logit: float,
+    heavy_logit: float,
+    num_sinks: int = 4,
+    num_heavy: int = 16,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q ``[nq, Hq, 128]`` and K ``[nk, Hkv, 128]`` (bf16) whose scaled logits are noise
+    (std ~1, dims 0-63) + a local window (``window_logit`` at distance 0, dims 64-95)
+    + sinks and heavy keys (dims 96-127, one shared query direction)."""
+    dev = positions_q.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    nq, nk = positions_q.numel(), positions_k.numel()
+    q = torch.empty(nq, num_heads, HEAD_DIM, device=dev, dtype=torch.float32)
+    k = torch.empty(nk, num_kv_heads, HEAD_DIM, device=dev, dtype=torch.float32)
+    q[..., :64].normal_(generator=g).mul_(math.sqrt(2.0))
+    k[..., :64].normal_(generator=g)
+    freqs = 2 * math.pi / torch.logspace(math.log10(64), math.log10(8192), 16, device=dev)
+    amp = math.sqrt(window_logit / (16 * scale))
+    for pos, t in ((positions_q, q), (positions_k, k)):
+        ang = pos.float()[:, None] * freqs[None, :]
+        t[..., 64:96:2] = (amp * torch.cos(ang))[:, None, :]
+        t[..., 65:96:2] = (amp * torch.sin(ang))[:, None, :]
+    u = torch.zeros(32, device=dev)
+    u[0] = 1.0
+    q[..., 96:] = u
+    k[..., 96:] = 0.0
+    k[:num_sinks, :, 96:] = u * (sink_logit / scale)
+    heavy = torch.randint(num_sinks, max(num_sinks + 1, nk), (num_heavy,), generator=g, device=dev)
+    k[heavy, :, 96:] = u * (heavy_logit / scale)
+    return q.to(DTYPE), k.to(DTYPE)
+
+
+def timed(fn, reps: int) -> float:
+    """Median milliseconds of ``fn`` after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def exact_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Float64 causal attention of query rows ``q [n, Hq, D]`` at ``q_pos`` over ``k, v``."""
+    group = q.shape[1] // k.shape[1]
+    out = []
+    for h in range(k.shape[1]):
+        qh = q[:, h * group : (h + 1) * group].double()  # [n, G, D]
+        s = torch.einsum("ngd,ld->gnl", qh, k[:, h].double()) / math.sqrt(HEAD_DIM)
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+        s = s.masked_fill(~mask[None], float("-inf"))
+        out.append(torch.einsum("gnl,ld->ngd", torch.softmax(s, -1), v[:, h].double()))
+    return torch.cat(out, 1)
+
+
+def rel_err(o: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((o.double() - ref).norm() / ref.norm())
+
+
+def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) -> dict:
+    hq, hkv = heads
+    dev = torch.device("cuda")
+    pos = torch.arange(n, device=dev)
+    q, k = structured_qk(pos, pos, hq, hkv, sink_logit=args.sink_logit, window_logit=args.window_logit,
+                         heavy_logit=args.heavy_logit, seed=n + hq)
+    v = torch.randn(n, hkv, HEAD_DIM, device=dev, dtype=DTYPE)
+    k_cache = k.view(n // PAGE, PAGE, hkv, HEAD_DIM)
+    v_cache = v.view(n // PAGE, PAGE, hkv, HEAD_DIM)
+    page_table = torch.arange(n // PAGE, device=dev, dtype=torch.int32)[None]
+    meta = dict(
+        query_start_loc=torch.tensor([0, n], device=dev, dtype=torch.int32),
+        is_decode=torch.zeros(1, dtype=torch.bool, device=dev),
+        page_table=page_table,
+        seq_lens=torch.tensor([n], device=dev, dtype=torch.int32),
+        prefix_lens=torch.zeros(1, device=dev, dtype=torch.int32),
+    )
+    out = torch.empty(n, hq, HEAD_DIM, device=dev, dtype=DTYPE)
+    lse = torch.empty(n, hq, device=dev, dtype=torch.float32)
+    ctr = torch.zeros(2, 2, dtype=torch.int64, device=dev)
+    tile_q = 128 // (hq // hkv)
+    cfg = dict(tile_kv=args.prefill_tile_kv, num_warps=args.prefill_warps, num_stages=args.prefill_stages)
+
+    def ours(factor):
+        return lambda: prefill_attention(q, k_cache, v_cache, out, lse, ctr, scale=1 / math.sqrt(HEAD_DIM),
+                                         causal=True, factor=factor, tile_q=tile_q, **cfg, **meta)
+
+    flops = 4 * (n * n / 2) * hq * HEAD_DIM
+    reps = 3 if n >= 32768 else 5
+    t_dense = timed(ours(None), reps)
+    sub = torch.arange(n - args.err_rows, n, device=dev)
+    exact = exact_rows(q[sub], k, v, sub)
+    ours(None)()
+    dense_err = rel_err(out[sub], exact)
+
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)))
+    qt, kt, vt = qt.contiguous(), kt.contiguous(), vt.contiguous()
+    t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True), reps)
+    del qt, kt, vt
+
+    sweep = []
+    for f in factors:
+        ctr.zero_()
+        ours(f)()
+        torch.cuda.synchronize()
+        visited, skipped = ctr[0].tolist()
+        err = rel_err(out[sub], exact)
+        t = timed(ours(f), reps)
+        sweep.append(dict(factor=f, skipped_fraction=skipped / max(visited, 1), ms=t, speedup=t_dense / t, rel_err=err))
+    return dict(kind="prefill", n=n, heads=heads, dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9,
+                sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9, dense_rel_err=dense_err, sweep=sweep)
+
+
+def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float], args) -> dict:
+    hq, hkv = heads
+    dev = torch.device("cuda")
+    pages = n // PAGE
+    k_cache = torch.empty(batch * pages, PAGE, hkv, HEAD_DIM, device=dev, dtype=DTYPE)
+    v_cache = torch.randn(batch * pages, PAGE, hkv, HEAD_DIM, device=dev, dtype=DTYPE)
+    q = torch.empty(batch, hq, HEAD_DIM, device=dev, dtype=DTYPE)
+    pos = torch.arange(n, device=dev)
+    for b in range(batch):
+        qb, kb = structured_qk(pos[-1:], pos, hq, hkv, sink_logit=args.sink_logit, window_logit=args.window_logit,
+                               heavy_logit=args.heavy_logit, seed=b)
+        q[b] = qb[0]
+        k_cache[b * pages : (b + 1) * pages] = kb.view(pages, PAGE, hkv, HEAD_DIM)
+    page_table = torch.arange(batch * pages, device=dev, dtype=torch.int32).view(batch, pages)
+    meta = dict(
+        query_start_loc=torch.arange(batch + 1, device=dev, dtype=torch.int32),
+        is_decode=torch.ones(batch, dtype=torch.bool, device=dev),
+        page_table=page_table,
+        seq_lens=torch.full((batch,), n, device=dev, dtype=torch.int32),
+    )
+    out = torch.empty(batch, hq, HEAD_DIM, device=dev, dtype=DTYPE)
+    lse = torch.empty(batch, hq, device=dev, dtype=torch.float32)
+    ctr = torch.zeros(2, 2, dtype=torch.int64, device=dev)
+
+    def ours(factor):
+        return lambda: decode_attention(q, k_cache, v_cache, out, lse, ctr, scale=1 / math.sqrt(HEAD_DIM),
+                                        factor=factor, tile_kv=args.decode_tile_kv, split_tiles=args.decode_split,
+                                        max_kv_len=n, **meta)
+
+    kv_bytes = 2 * batch * n * hkv * HEAD_DIM * 2
+    t_dense = timed(ours(None), 10)
+    check = list(range(0, batch, max(1, batch // 4)))
+    exact = torch.stack([
+        exact_rows(q[b : b + 1], k_cache[b * pages : (b + 1) * pages].flatten(0, 1),
+                   v_cache[b * pages : (b + 1) * pages].flatten(0, 1), pos[-1:])[0]
+        for b in check
+    ])
+    ours(None)()
+    dense_err = rel_err(out[check], exact)
+
+    t_sdpa = None
+    try:
+        kt = k_cache.view(batch, n, hkv, HEAD_DIM).transpose(1, 2)
+        vt = v_cache.view(batch, n, hkv, HEAD_DIM).transpose(1, 2)
+        qt = q[:, :, None, :]
+        t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), 5)
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # report, don't fail the whole run
+        t_sdpa = None
+        sdpa_note = str(e)[:200]
+    sweep = []
+    for f in factors:
+        ctr.zero_()
+        ours(f)()
+        torch.cuda.synchronize()
+        visited, skipped = ctr[1].tolist()
+        err = rel_err(out[check], exact)
+        t = timed(ours(f), 10)
+        sweep.append(dict(factor=f, skipped_fraction=skipped / max(visited, 1), ms=t, speedup=t_dense / t, rel_err=err))
+    res = dict(kind="decode", n=n, batch=batch, heads=heads, dense_ms=t_dense, dense_tbps=kv_bytes / t_dense / 1e9,
+               sdpa_ms=t_sdpa, sdpa_tbps=(kv_bytes / t_sdpa / 1e9) if t_sdpa else None, dense_rel_err=dense_err,
+               sweep=sweep)
+    if t_sdpa is None:
+        res["sdpa_note"] = sdpa_note
+    return res
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        label = f"{r['kind']} {r['n'] // 1024}k {r['heads'][0]}/{r['heads'][1]}"
+        xs = [0.0] + [s["skipped_fraction"] for s in r["sweep"]]
+        ax1.plot(xs, [1.0] + [s["speedup"] for s in r["sweep"]], marker="o", label=label)
+        ax2.plot(xs, [r["dense_rel_err"]] + [s["rel_err"] for s in r["sweep"]], marker="o", label=label)
+    ax1.set_xlabel("skipped fraction of tiles")
+    ax1.set_ylabel("speed-up over our dense kernel")
+    ax2.set_xlabel("skipped fraction of tiles")
+    ax2.set_ylabel("relative output error vs float64")
+    ax2.set_yscale("log")
+    ax1.grid(True, alpha=0.3)
+    ax2.grid(True, alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="benchmark_results")
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[16384, 32768, 65536])
+    p.add_argument("--decode-lens", type=int, nargs="*", default=[16384, 65536])
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--prefill-factors", type=float, nargs="*", default=[1.0, 3.0, 30.0, 300.0, 3000.0])
+    p.add_argument("--decode-factors", type=float, nargs="*", default=[0.3, 3.0, 30.0, 300.0])
+    p.add_argument("--prefill-tile-kv", type=int, default=64)
+    p.add_argument("--prefill-warps", type=int, default=8)
+    p.add_argument("--prefill-stages", type=int, default=2)
+    p.add_argument("--decode-tile-kv", type=int, default=64)
+    p.add_argument("--decode-split", type=int, default=16)
+    p.add_argument("--sink-logit", type=float, default=14.0)
+    p.add_argument("--window-logit", type=float, default=10.0)
+    p.add_argument("--heavy-logit", type=float, default=8.0)
+    p.add_argument("--err-rows", type=int, default=64)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    t0 = time.time()
+    for heads in HEADS:
+        for n in args.prefill_lens:
+            results.append(bench_prefill(n, heads, args.prefill_factors, args))
+            print(json.dumps(results[-1]), f"[{time.time() - t0:.0f}s]", flush=True)
+            torch.cuda.empty_cache()
+        for n in args.decode_lens:
+            results.append(bench_decode(n, args.decode_batch, heads, args.decode_factors, args))
+            print(json.dumps(results[-1]), f"[{time.time() - t0:.0f}s]", flush=True)
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "skip_softmax.json"), "w") as f:
+        json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), results=results), f, indent=1)
+    plot(results, os.path.join(args.out, "skip_softmax.png"))
+
+
+if __name__ == "__main__":
+    main()
