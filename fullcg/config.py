@@ -20,11 +20,23 @@ __all__ = [
     "ATTENTION_IMPLS",
     "SkipSoftmaxConfig",
     "FullCGConfig",
+    "GRAPH_MODES",
+    "COMPILERS",
+    "default_capture_sizes",
 ]
 
 ENV_SKIP_SOFTMAX_PREFILL = "FULLCG_SKIP_SOFTMAX_PREFILL_THRESHOLD_SCALE_FACTOR"
 ENV_SKIP_SOFTMAX_DECODE = "FULLCG_SKIP_SOFTMAX_DECODE_THRESHOLD_SCALE_FACTOR"
 ENV_ATTENTION_IMPL = "FULLCG_ATTENTION_IMPL"
+ENV_GRAPH_MODE = "FULLCG_GRAPH_MODE"
+ENV_COMPILER = "FULLCG_COMPILER"
+ENV_DUMP_DIR = "FULLCG_DUMP_DIR"
+
+#: How steps run on CUDA: ``none`` (compiled pieces, no CUDA graphs), ``piecewise``
+#: (pieces captured, breakable attention eager between them), ``full`` (the whole step in
+#: one graph), ``full_and_piecewise`` (decode-only batches full, the rest piecewise).
+GRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+COMPILERS = ("inductor", "eager")
 
 #: Names accepted for ``FullCGConfig.attention_impl``; more can be registered at run time
 #: with :func:`fullcg.ops.impl.register_implementation`.
@@ -129,6 +141,12 @@ class SkipSoftmaxConfig:
         return cls(prefill_scale_factor, decode_scale_factor, **kwargs)
 
 
+def default_capture_sizes(max_size: int) -> tuple[int, ...]:
+    """vLLM's default: 1, 2, 4, then steps of 8 up to 256, then steps of 16, up to ``max_size``."""
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, max_size + 1, 16)]
+    return tuple(s for s in sizes if s <= max_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class FullCGConfig:
     """Everything fullcg can be told.
@@ -138,10 +156,25 @@ class FullCGConfig:
             (plain torch), ``"flashinfer"``, ``"triton"``, or ``"auto"`` (the best one
             available for the device; ``reference`` on CPU).
         skip_softmax: skip-softmax factors and tile sizes.
+        graph_mode: one of :data:`GRAPH_MODES`; on CPU every mode runs without capture.
+        compiler: ``"inductor"`` compiles each piece; ``"eager"`` runs pieces as traced
+            (fast start, for debugging).
+        capture_sizes: token counts to capture graphs for; batches are padded up to the
+            next one. None = :func:`default_capture_sizes` up to ``max_capture_size``.
+        max_capture_size: largest default capture size; larger batches run uncaptured.
+        capture_on_compile: capture every size right after compiling (else lazily, the
+            first time a size is used).
+        dump_dir: where to write graph dumps and the split report; None = no dumps.
     """
 
     attention_impl: str = "auto"
     skip_softmax: SkipSoftmaxConfig = dataclasses.field(default_factory=SkipSoftmaxConfig)
+    graph_mode: str = "full_and_piecewise"
+    compiler: str = "inductor"
+    capture_sizes: tuple[int, ...] | None = None
+    max_capture_size: int = 256
+    capture_on_compile: bool = False
+    dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
@@ -149,10 +182,32 @@ class FullCGConfig:
                 f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}"
             )
         if not isinstance(self.skip_softmax, SkipSoftmaxConfig):
-            raise TypeError(
-                "skip_softmax must be a fullcg.SkipSoftmaxConfig, got "
-                f"{type(self.skip_softmax).__name__}"
-            )
+            if isinstance(self.skip_softmax, Mapping):
+                object.__setattr__(self, "skip_softmax", SkipSoftmaxConfig(**self.skip_softmax))
+            else:
+                raise TypeError(
+                    "skip_softmax must be a fullcg.SkipSoftmaxConfig (or a dict of its fields), got "
+                    f"{type(self.skip_softmax).__name__}"
+                )
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}")
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {', '.join(COMPILERS)}, got {self.compiler!r}")
+        _positive_int(self.max_capture_size, "max_capture_size")
+        if self.capture_sizes is not None:
+            sizes = list(self.capture_sizes)
+            if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
+                raise ValueError(f"capture sizes must be positive integers, got {sizes}")
+            object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise TypeError(f"dump_dir must be a path or None, got {self.dump_dir!r}")
+
+    @property
+    def sizes_to_capture(self) -> tuple[int, ...]:
+        """The capture sizes in effect, ascending."""
+        if self.capture_sizes is not None:
+            return self.capture_sizes
+        return default_capture_sizes(self.max_capture_size)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FullCGConfig:
@@ -160,9 +215,25 @@ class FullCGConfig:
         env = os.environ if environ is None else environ
         if "skip_softmax" not in overrides:
             overrides["skip_softmax"] = SkipSoftmaxConfig.from_env(environ=env)
-        if "attention_impl" not in overrides and env.get(ENV_ATTENTION_IMPL):
-            overrides["attention_impl"] = env[ENV_ATTENTION_IMPL]
+        for field, var in (
+            ("attention_impl", ENV_ATTENTION_IMPL),
+            ("graph_mode", ENV_GRAPH_MODE),
+            ("compiler", ENV_COMPILER),
+            ("dump_dir", ENV_DUMP_DIR),
+        ):
+            if field not in overrides and env.get(var, "").strip():
+                overrides[field] = env[var].strip()
         return cls(**overrides)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> FullCGConfig:
+        """Build from ``torch.compile(..., options={...})``: field names, over the environment."""
+        options = dict(options or {})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(f"unknown fullcg option(s) {unknown}; valid options: {sorted(fields)}")
+        return cls.from_env(**options)
 
     def replace(self, **changes: Any) -> FullCGConfig:
         return dataclasses.replace(self, **changes)

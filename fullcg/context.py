@@ -19,10 +19,13 @@ import enum
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
+import logging
+import weakref
+
 import torch
 
 from fullcg.config import FullCGConfig
-from fullcg.kv_cache import KVCache
+from fullcg.kv_cache import KVCache, kv_cache_generation
 
 __all__ = [
     "ForwardMode",
@@ -246,6 +249,8 @@ class ForwardContext:
     breakable: bool
 
 
+logger = logging.getLogger(__name__)
+
 _stack: list[ForwardContext] = []
 # Static facts of the innermost context, as plain values so Dynamo guards on their values.
 _breakable: bool = False
@@ -269,12 +274,20 @@ def _publish() -> None:
         _prefill_factor = _decode_factor = None
 
 
+# Walking a model's modules every step costs ~0.1 ms on a 32-layer model; remember the
+# result until some layer allocates a new cache.
+_module_caches: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, dict[int, KVCache]]] = weakref.WeakKeyDictionary()
+
+
 def _collect_kv_caches(source: object) -> dict[int, KVCache]:
     from fullcg.layer import Attention  # the layer module imports this one
 
     if source is None:
         return {}
     if isinstance(source, torch.nn.Module):
+        cached = _module_caches.get(source)
+        if cached is not None and cached[0] == kv_cache_generation():
+            return cached[1]
         caches: dict[int, KVCache] = {}
         for name, mod in source.named_modules():
             if isinstance(mod, Attention) and mod.kv_cache is not None:
@@ -284,6 +297,7 @@ def _collect_kv_caches(source: object) -> dict[int, KVCache]:
                         "give every layer of a model its own layer_id"
                     )
                 caches[mod.layer_id] = mod.kv_cache
+        _module_caches[source] = (kv_cache_generation(), caches)
         return caches
     if isinstance(source, Mapping):
         for key, cache in source.items():
@@ -321,10 +335,46 @@ def forward_context(
         config=config if config is not None else FullCGConfig.from_env(),
         breakable=bool(breakable),
     )
+    _enable_size_oblivious_once()
     _stack.append(ctx)
     _publish()
     try:
         yield ctx
+    finally:
+        _stack.pop()
+        _publish()
+
+
+_size_oblivious_enabled = False
+
+
+def _enable_size_oblivious_once() -> None:
+    """Let Dynamo treat token counts of 0 and 1 like any other, for this process.
+
+    Without it Dynamo specializes a batch of one token (every decode step of a single
+    request) into a graph of its own: a recompile the first time such a batch comes.
+    Set once rather than per step: patching torch's config costs tens of microseconds,
+    too much for the per-step path.
+    """
+    global _size_oblivious_enabled
+    if _size_oblivious_enabled:
+        return
+    _size_oblivious_enabled = True
+    import torch.fx.experimental._config as fx_config
+
+    if hasattr(fx_config, "backed_size_oblivious") and not fx_config.backed_size_oblivious:
+        fx_config.backed_size_oblivious = True
+        logger.info("fullcg: enabled torch.fx.experimental._config.backed_size_oblivious (one graph for all token counts)")
+
+
+@contextlib.contextmanager
+def derived_context(ctx: ForwardContext, *, config: FullCGConfig, breakable: bool) -> Iterator[ForwardContext]:
+    """``ctx`` with another config and breakable flag: how a compiled step runs its graph."""
+    derived = ForwardContext(ctx.metadata, ctx.kv_caches, config, breakable)
+    _stack.append(derived)
+    _publish()
+    try:
+        yield derived
     finally:
         _stack.pop()
         _publish()

@@ -6,7 +6,19 @@ import dataclasses
 
 import torch
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "kv_cache_generation"]
+
+_generation = 0
+
+
+def kv_cache_generation() -> int:
+    """Bumped whenever a layer gets a new cache, so cached layer -> cache maps are refreshed."""
+    return _generation
+
+
+def bump_kv_cache_generation() -> None:
+    global _generation
+    _generation += 1
 
 
 @dataclasses.dataclass(eq=False)

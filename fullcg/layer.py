@@ -8,14 +8,10 @@ import torch
 from torch import nn
 
 from fullcg import context
-from fullcg.config import check_scale_factor
-from fullcg.kv_cache import KVCache
+from fullcg.kv_cache import KVCache, bump_kv_cache_generation
 from fullcg.ops.attention import ATTENTION_OPS
 
 __all__ = ["Attention"]
-
-_UNSET = object()
-
 
 class Attention(nn.Module):
     """Attention over a paged KV cache (or over given k/v) through the ``fullcg`` ops.
@@ -31,8 +27,10 @@ class Attention(nn.Module):
         layer_id: unique per layer of a model; names the layer's KV cache and counters.
         scale: softmax scale; defaults to ``1 / sqrt(head_dim)``.
         v_head_dim: value head size; defaults to ``head_dim``.
-        skip_softmax_prefill_scale_factor, skip_softmax_decode_scale_factor: per-layer
-            skip-softmax factors; when left out, the forward context's config decides.
+
+    Skip-softmax factors come from the step's config (the forward context's, or the
+    compile backend's for compiled steps), never from the layer, so eager and compiled
+    runs of one model always agree.
     """
 
     def __init__(
@@ -44,8 +42,6 @@ class Attention(nn.Module):
         layer_id: int,
         scale: float | None = None,
         v_head_dim: int | None = None,
-        skip_softmax_prefill_scale_factor: float | None = _UNSET,  # type: ignore[assignment]
-        skip_softmax_decode_scale_factor: float | None = _UNSET,  # type: ignore[assignment]
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -64,17 +60,7 @@ class Attention(nn.Module):
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.layer_id = layer_id
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
-        self._prefill_factor = (
-            _UNSET
-            if skip_softmax_prefill_scale_factor is _UNSET
-            else check_scale_factor(skip_softmax_prefill_scale_factor, "skip_softmax_prefill_scale_factor")
-        )
-        self._decode_factor = (
-            _UNSET
-            if skip_softmax_decode_scale_factor is _UNSET
-            else check_scale_factor(skip_softmax_decode_scale_factor, "skip_softmax_decode_scale_factor")
-        )
-        self.kv_cache: KVCache | None = None
+        self._kv_cache: KVCache | None = None
 
     def extra_repr(self) -> str:
         return (
@@ -90,9 +76,27 @@ class Attention(nn.Module):
             num_pages, page_size, self.num_kv_heads, self.head_dim, v_head_dim=self.v_head_dim,
             dtype=dtype or torch.float32, device=device or "cpu",
         )
-        # Plain attributes, so traced code reads constants instead of lifting the cache tensors.
-        self._kv_dtype, self._kv_device = self.kv_cache.k.dtype, self.kv_cache.k.device
         return self.kv_cache
+
+    @property
+    def kv_cache(self) -> KVCache | None:
+        """The layer's paged KV cache (None until allocated or assigned)."""
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: KVCache | None) -> None:
+        if cache is not None and (
+            cache.num_kv_heads != self.num_kv_heads or cache.head_dim != self.head_dim or cache.v_head_dim != self.v_head_dim
+        ):
+            raise ValueError(
+                f"Attention(layer_id={self.layer_id}): a KV cache of pages {tuple(cache.k.shape)} does not fit "
+                f"{self.num_kv_heads} kv heads of {self.head_dim}"
+            )
+        bump_kv_cache_generation()
+        self._kv_cache = cache
+        if cache is not None:
+            # Plain attributes, so traced code reads constants instead of lifting the cache tensors.
+            self._kv_dtype, self._kv_device = cache.k.dtype, cache.k.device
 
     def _as_3d(self, x: torch.Tensor, name: str, heads: int, dim: int) -> torch.Tensor:
         if x.dim() == 2 and x.shape[1] == heads * dim:
@@ -103,14 +107,6 @@ class Attention(nn.Module):
             f"Attention(layer_id={self.layer_id}): {name} must be [tokens, {heads}, {dim}] or "
             f"[tokens, {heads * dim}], got shape {tuple(x.shape)}"
         )
-
-    def _scale_factors(self) -> tuple[float | None, float | None]:
-        prefill, decode = context.skip_softmax_factors()
-        if self._prefill_factor is not _UNSET:
-            prefill = self._prefill_factor  # type: ignore[assignment]
-        if self._decode_factor is not _UNSET:
-            decode = self._decode_factor  # type: ignore[assignment]
-        return prefill, decode
 
     def forward(
         self,
@@ -144,7 +140,7 @@ class Attention(nn.Module):
         k3 = self._as_3d(k, "k", self.num_kv_heads, self.head_dim)
         v3 = self._as_3d(v, "v", self.num_kv_heads, self.v_head_dim)
         out = torch.empty((q3.shape[0], self.num_heads, self.v_head_dim), dtype=q3.dtype, device=q3.device)
-        prefill_factor, decode_factor = self._scale_factors()
+        prefill_factor, decode_factor = context.skip_softmax_factors()
         op = ATTENTION_OPS[(context.is_breakable(), bool(return_lse))]
         lse = op(
             q3, k3, v3, out, self.layer_id, key_value_num_tokens, prefill_factor, decode_factor, self.scale,

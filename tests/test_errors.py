@@ -79,7 +79,8 @@ def test_invalid_thresholds_on_ops_and_layers(batch):
             with pytest.raises(ValueError, match="skip_softmax_prefill_scale_factor must be a finite number >= 0"):
                 torch.ops.fullcg.attention(batch.q, batch.k, batch.v, torch.empty_like(batch.q), 0, None, bad)
     with pytest.raises(ValueError, match="skip_softmax_decode_scale_factor"):
-        fullcg.Attention(4, 16, layer_id=0, skip_softmax_decode_scale_factor=-2)
+        with fullcg.forward_context(batch.metadata, batch.layer):
+            torch.ops.fullcg.attention(batch.q, batch.k, batch.v, torch.empty_like(batch.q), 0, None, None, -2.0)
 
 
 def test_missing_kv_cache(batch):

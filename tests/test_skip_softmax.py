@@ -139,10 +139,3 @@ def test_stats_reset_zeroes_counters():
     assert fullcg.skip_softmax_stats()[0].skipped > 0
     fullcg.reset_skip_softmax_stats()
     assert fullcg.skip_softmax_stats()[0].visited == 0
-
-
-def test_layer_factor_overrides_the_configured_one():
-    b = make_batch([12], [0], sink=20.0)
-    b.layer._prefill_factor = None  # as if built with skip_softmax_prefill_scale_factor=None
-    _run(b, fullcg.SkipSoftmaxConfig(10.0, None, tile_kv=4, tile_q=4))
-    assert fullcg.skip_softmax_stats().get(0, fullcg.SkipSoftmaxStats()).visited == 0

@@ -1,0 +1,183 @@
+"""The ``fullcg`` compile backend: passes, split, compiled pieces, and the step runner.
+
+``torch.compile(model, backend="fullcg")`` (through the ``torch_dynamo_backends`` entry
+point) or ``torch.compile(model, backend=fullcg.Backend(config))``. For each graph Dynamo
+hands over, the backend builds the variants the graph mode needs:
+
+- *piecewise*: attention nodes retargeted to the breakable ops, the graph split at them,
+  every other piece compiled (Inductor, or eager);
+- *full*: attention nodes retargeted to the non-breakable ops, the whole graph compiled
+  as one piece;
+
+and returns a :class:`fullcg.runner.StepRunner` that picks a variant per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from fullcg.config import FullCGConfig
+from fullcg.debug import GraphDump, decompiled_caller_source, split_report
+from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
+from fullcg.runner import PieceCall, StepRunner
+
+__all__ = ["Backend", "fullcg_backend"]
+
+logger = logging.getLogger(__name__)
+_warned_cpu = False
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            return t.device
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _compile_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compiler: str) -> PieceCall:
+    if compiler == "eager":
+        return PieceCall(name, gm, boxed=False)
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = compile_fx(gm, list(example_inputs))
+    return PieceCall(name, compiled, boxed=bool(getattr(compiled, "_boxed_call", False)))
+
+
+class _PieceCompiler(torch.fx.Interpreter):
+    """Runs the split graph on fake inputs, compiling each non-breakable piece on the way
+    with the (symbolic) inputs it actually receives."""
+
+    def __init__(self, split: SplitGraph, compiler: str, dump: GraphDump, variant: str) -> None:
+        super().__init__(split.graph_module)
+        self.split = split
+        self.compiler = compiler
+        self.dump = dump
+        self.variant = variant
+        self.calls: dict[str, PieceCall] = {}
+
+    def call_module(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        piece = next(p for p in self.split.pieces if p.name == target)
+        self.dump.graph(f"{self.variant}/{piece.name}.py", piece.graph_module)
+        if piece.breakable:
+            self.calls[target] = PieceCall(target, piece.graph_module, boxed=False)
+        else:
+            self.calls[target] = _compile_piece(target, piece.graph_module, args, self.compiler)
+        return super().call_module(target, args, kwargs)
+
+
+def _fake_inputs(fake_mode: Any, example_inputs: Sequence[Any]) -> list[Any]:
+    """Fake versions of the inputs; inside Dynamo's tracing context they keep their symbolic sizes."""
+    return [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+
+
+def _variant_graph(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.GraphModule:
+    graph = copy.deepcopy(gm.graph)
+    manager(graph)
+    out = torch.fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig) -> StepRunner:
+    """Build the variants of ``gm`` that ``config.graph_mode`` needs and a runner over them."""
+    global _warned_cpu
+    device = _device_of(example_inputs)
+    dump = GraphDump(config.dump_dir)
+    dump.graph("before_passes.py", gm)
+    if device.type != "cuda" and not _warned_cpu:
+        _warned_cpu = True
+        logger.info("fullcg: running on %s: graphs are compiled but no CUDA graphs are captured (graph_mode=%s)",
+                    device.type, config.graph_mode)
+
+    wants_piecewise = config.graph_mode in ("none", "piecewise", "full_and_piecewise")
+    wants_full = config.graph_mode in ("full", "full_and_piecewise")
+    piecewise_fn: Callable[..., Any] | None = None
+    full_fn: Callable[..., Any] | None = None
+    split: SplitGraph | None = None
+    full_gm: torch.fx.GraphModule | None = None
+    uuid = ""
+
+    if wants_piecewise:
+        manager = PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
+        uuid = manager.uuid()
+        variant = _variant_graph(gm, manager)
+        dump.graph("after_passes_piecewise.py", variant)
+        split = split_graph(variant)
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+        compiler = _PieceCompiler(split, config.compiler, dump, "piecewise")
+        with fake_mode:
+            compiler.run(*_fake_inputs(fake_mode, example_inputs))
+        runnable = split.graph_module
+        for name, call in compiler.calls.items():
+            # A plain attribute, not a child module: the per-step path skips nn.Module.__call__.
+            del runnable._modules[name]
+            runnable.__dict__[name] = call
+        piecewise_fn = runnable
+        logger.info("fullcg: piecewise graph: %d pieces (%d breakable attention)",
+                    len(split.pieces), sum(p.breakable for p in split.pieces))
+
+    if wants_full:
+        manager = PassManager([AttributesPass(config.skip_softmax), BreakablePass(False)])
+        uuid = uuid or manager.uuid()
+        full_gm = _variant_graph(gm, manager)
+        dump.graph("after_passes_full.py", full_gm)
+        full_fn = _compile_piece("full", full_gm, example_inputs, config.compiler)
+
+    dump.write("split_report.txt", split_report(config, str(device), uuid, split, full_gm))
+    runner = StepRunner(config, piecewise=piecewise_fn, full=full_fn, device=device)
+    if dump.enabled:
+
+        def write_decompiled() -> None:
+            source = decompiled_caller_source()
+            dump.write("decompiled.py", source if source is not None else "# depyf is not installed: pip install fullcg[debug]\n")
+
+        runner.on_first_call = write_decompiled
+    return runner
+
+
+class Backend:
+    """The fullcg compile backend, configured: ``torch.compile(model, backend=fullcg.Backend(config))``.
+
+    ``options={...}`` given to ``torch.compile`` override fields of ``config``.
+    """
+
+    def __init__(self, config: FullCGConfig | None = None, **options: Any) -> None:
+        base = config if config is not None else FullCGConfig.from_env()
+        self.config = base.replace(**options) if options else base
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:
+        options = kwargs.pop("options", None)
+        mode = kwargs.pop("mode", None)
+        if kwargs:
+            raise TypeError(f"the fullcg backend got unexpected arguments {sorted(kwargs)}")
+        if mode not in (None, "default"):
+            raise ValueError(
+                f"torch.compile(mode={mode!r}) does not apply to the fullcg backend; "
+                "choose CUDA-graph behaviour with options={'graph_mode': ...}"
+            )
+        config = self.config
+        if options:
+            unknown = sorted(set(options) - set(FullCGConfig.__dataclass_fields__))
+            if unknown:
+                raise ValueError(
+                    f"unknown fullcg option(s) {unknown}; valid options: {sorted(FullCGConfig.__dataclass_fields__)}"
+                )
+            config = config.replace(**options)
+        return compile_graph(gm, example_inputs, config)
+
+
+def fullcg_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:
+    """The backend behind ``backend="fullcg"``: configured from the environment and ``options``."""
+    return Backend()(gm, example_inputs, **kwargs)

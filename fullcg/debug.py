@@ -1,0 +1,160 @@
+"""Graph dumps and the split report: what was compiled, what was cut, and why.
+
+With ``FullCGConfig(dump_dir=...)`` (or ``FULLCG_DUMP_DIR``) every graph the compile
+backend receives is written to ``<dump_dir>/graph_<n>/``:
+
+- ``decompiled.py``: the Python that Dynamo actually runs for the compiled function,
+  decompiled by depyf (written on the first call, when that code exists);
+- ``before_passes.py`` and ``after_passes_<variant>.py``: the FX graph around the passes;
+- ``<variant>/<piece>.py``: each piece's code;
+- ``split_report.txt``: pieces, the attention nodes in each with their attributes, the
+  graph mode and the capture sizes.
+
+:func:`prepare_debug` wraps ``depyf.prepare_debug`` (depyf's full dump, Inductor kernels
+included) with the shim that depyf 0.20 needs on torch 2.13.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch.fx
+
+from fullcg.config import FullCGConfig
+from fullcg.passes.split import SplitGraph
+
+__all__ = ["GraphDump", "split_report", "decompiled_caller_source", "prepare_debug"]
+
+logger = logging.getLogger(__name__)
+_graph_counter = itertools.count()
+
+
+class GraphDump:
+    """Writes the dumps of one compiled graph (does nothing when dumps are off)."""
+
+    def __init__(self, dump_dir: str | os.PathLike[str] | None) -> None:
+        self.root: Path | None = None
+        if dump_dir is not None:
+            self.root = Path(dump_dir) / f"graph_{next(_graph_counter)}"
+            self.root.mkdir(parents=True, exist_ok=True)
+            logger.info("fullcg: writing graph dumps to %s", self.root)
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None
+
+    def write(self, relpath: str, text: str) -> None:
+        if self.root is None:
+            return
+        path = self.root / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def graph(self, relpath: str, gm: torch.fx.GraphModule) -> None:
+        if self.root is not None:
+            self.write(relpath, gm.print_readable(print_output=False))
+
+
+def split_report(
+    config: FullCGConfig, device: str, pass_uuid: str, split: SplitGraph | None, full: torch.fx.GraphModule | None
+) -> str:
+    """A plain-text account of how a graph was compiled: modes, capture sizes, pieces, attention nodes."""
+    from fullcg.passes.split import Piece
+
+    sizes = config.sizes_to_capture
+    lines = [
+        "fullcg split report",
+        f"graph mode: {config.graph_mode}",
+        f"device: {device} ({'CUDA graphs captured' if device.startswith('cuda') and config.graph_mode != 'none' else 'no CUDA graph capture'})",
+        f"compiler: {config.compiler}",
+        f"attention implementation: {config.attention_impl}",
+        f"skip-softmax factors: prefill={config.skip_softmax.prefill_scale_factor}, "
+        f"decode={config.skip_softmax.decode_scale_factor}",
+        f"capture sizes ({len(sizes)}): {list(sizes)}",
+        f"pass uuid: {pass_uuid}",
+        "",
+    ]
+    if split is not None:
+        compiled = sum(not p.breakable for p in split.pieces)
+        lines.append(
+            f"piecewise variant: {len(split.pieces)} pieces ({compiled} compiled, "
+            f"{len(split.pieces) - compiled} breakable attention run eagerly)"
+        )
+        for piece in split.pieces:
+            kind = "breakable attention (eager, split point)" if piece.breakable else "compiled piece"
+            ops = sum(1 for n in piece.graph_module.graph.nodes if n.op == "call_function")
+            lines.append(f"  {piece.name}: {kind}, {ops} ops")
+            lines += [f"    {s}" for s in piece.attention_summary()]
+        lines.append("")
+    if full is not None:
+        lines.append("full variant: 1 graph, attention inside")
+        lines += [f"    {s}" for s in Piece("full", full, False).attention_summary()]
+    return "\n".join(lines) + "\n"
+
+
+def decompiled_caller_source(max_depth: int = 16) -> str | None:
+    """Decompile the Dynamo-transformed function that is calling us right now (via depyf).
+
+    The compiled function's bytecode calls the backend's result through a global named
+    ``__compiled_fn_*``; the first frame up the stack whose code names one is it.
+    """
+    try:
+        import depyf
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if any(name.startswith("__compiled_fn") for name in frame.f_code.co_names):
+            try:
+                return depyf.decompile(frame.f_code)
+            except Exception as exc:  # decompilation is best effort; never break a run for a dump
+                logger.warning("fullcg: depyf could not decompile %s: %s", frame.f_code.co_name, exc)
+                return None
+        frame = frame.f_back
+    return None
+
+
+def _forwarding_loader(depyf_loader):
+    """depyf 0.20's patched ``PyCodeCache.load_by_key_path`` drops keywords that torch 2.13
+    passes (``set_sys_modules``); forward them to the real loader around depyf's."""
+
+    @functools.wraps(depyf_loader)
+    def load(key, path, linemap=None, attrs=None, **kwargs):
+        from depyf.explain.global_variables import data
+
+        real = data["unpatched_load_by_key_path"]
+        if kwargs:
+            data["unpatched_load_by_key_path"] = functools.partial(real, **kwargs)
+        try:
+            return depyf_loader(key, path, linemap, attrs)
+        finally:
+            data["unpatched_load_by_key_path"] = real
+
+    return load
+
+
+@contextlib.contextmanager
+def prepare_debug(dump_dir: str | os.PathLike[str]) -> Iterator[None]:
+    """``depyf.prepare_debug(dump_dir)``, working on torch 2.11 and 2.13 alike.
+
+    Wrap the first call of a compiled model in it to get depyf's full dump.
+    """
+    import depyf
+    import depyf.explain.enable_debugging as enable_debugging
+
+    original = enable_debugging.patched_load_by_key_path
+    enable_debugging.patched_load_by_key_path = _forwarding_loader(original)
+    try:
+        with depyf.prepare_debug(str(dump_dir)):
+            yield
+    finally:
+        enable_debugging.patched_load_by_key_path = original

@@ -1,0 +1,199 @@
+"""A small Llama-style decoder built on :class:`fullcg.Attention`.
+
+RMSNorm, rotary embedding, GQA attention over a paged KV cache, SwiGLU MLP. Weights are
+random but deterministic from a seed, so two instances built alike are identical. Sizes
+go from ``tiny`` (CPU tests) to ``llama3_8b`` (the shape of Llama-3-8B, for GPU
+benchmarks). With ``chunked_prefix=True`` attention uses the chunked-prefix pattern:
+the new tokens attend over themselves with LSE, each chunk of the cached prefix is
+attended separately with LSE, and the parts are merged exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import fullcg
+from fullcg import context
+
+__all__ = ["LlamaConfig", "LlamaModel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    chunked_prefix: bool = False
+
+    @classmethod
+    def tiny(cls, **changes: object) -> LlamaConfig:
+        """Two layers, hidden 64: runs in milliseconds on a CPU."""
+        return dataclasses.replace(cls(), **changes)
+
+    @classmethod
+    def mid(cls, **changes: object) -> LlamaConfig:
+        """Eight layers, hidden 1024, 16/4 heads of 64: a mid-size GPU test model."""
+        base = cls(
+            vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+            num_kv_heads=4, head_dim=64, rope_theta=500000.0,
+        )
+        return dataclasses.replace(base, **changes)
+
+    @classmethod
+    def llama3_8b(cls, **changes: object) -> LlamaConfig:
+        """The shape of Llama-3-8B: 32 layers, hidden 4096, 32/8 heads of 128, vocab 128256."""
+        base = cls(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+            num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        )
+        return dataclasses.replace(base, **changes)
+
+    @classmethod
+    def preset(cls, name: str, **changes: object) -> LlamaConfig:
+        presets = {"tiny": cls.tiny, "mid": cls.mid, "llama3_8b": cls.llama3_8b}
+        if name not in presets:
+            raise ValueError(f"unknown model size {name!r}; choose one of {', '.join(presets)}")
+        return presets[name](**changes)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) of ``x [T, H, D]`` at ``positions [T]``."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.attn = fullcg.Attention(cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, layer_id=layer_id)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), positions, self.inv_freq)
+        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions, self.inv_freq)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.chunked_prefix:
+            out = self._chunked_prefix_attention(q, k, v)
+        else:
+            out = self.attn(q, k, v)
+        return self.o_proj(out.flatten(1))
+
+    def _chunked_prefix_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # The new tokens attend over themselves (and are saved to the cache); each chunk of
+        # the cached prefix is attended apart; the partial results merge exactly by LSE.
+        out, lse = self.attn(q, k, v, return_lse=True, use_kv_cache=False, causal=True, save_kv_cache=True)
+        for c in range(context.num_prefix_chunks()):
+            k_c, v_c = self.attn.gather_prefix_chunk(c)
+            out_c, lse_c = self.attn(q, k_c, v_c, return_lse=True, use_kv_cache=False, causal=False, prefix_chunk=c)
+            merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
+            torch.ops.fullcg.merge_attn_states(merged, out_c, lse_c, out, lse, merged_lse)
+            out, lse = merged, merged_lse
+        return out
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Token ids ``[T]`` and positions ``[T]`` in, logits ``[T, vocab]`` out.
+
+    The batch's request structure comes from the forward context, so the same call works
+    for prefill, extend, decode and mixed batches.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._init_weights(seed)
+        self.to(device=device, dtype=dtype)
+        for layer in self.layers:  # keep rotary frequencies in float32 whatever the dtype
+            layer.self_attn.inv_freq = layer.self_attn.inv_freq.float()
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        # Deterministic across devices: drawn on the CPU from one generator, in a fixed order.
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
+
+    def attention_layers(self) -> list[fullcg.Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> None:
+        """Give every attention layer a paged cache of ``num_pages`` pages, in the model's dtype and device."""
+        ref = self.lm_head.weight
+        for attn in self.attention_layers():
+            attn.allocate_kv_cache(num_pages, page_size, dtype=ref.dtype, device=ref.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.lm_head(self.norm(hidden))

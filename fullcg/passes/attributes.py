@@ -1,0 +1,96 @@
+"""Passes that set attributes of attention op nodes, so they are visible in the graph.
+
+- :class:`AttributesPass` writes the configured skip-softmax factors onto every attention
+  node and checks ``key_value_num_tokens`` against the k/v it describes.
+- :class:`BreakablePass` points every attention node at the breakable or the
+  non-breakable op, which decides where the graph is split: piecewise graphs split at
+  breakable ops, a full graph keeps every op inside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from fullcg.config import SkipSoftmaxConfig
+from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES
+from fullcg.passes.manager import source_hash
+
+__all__ = ["AttributesPass", "BreakablePass", "attention_nodes", "node_attribute", "set_node_attribute"]
+
+_OP_KEY = {op: key for key, op in ATTENTION_OPS.items()}  # op -> (breakable, return_lse)
+_FIRST_ATTRIBUTE = 4  # q, k, v, out come first
+
+
+def attention_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """All calls of the four attention ops, in graph order."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in _OP_KEY]
+
+
+def is_breakable(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and _OP_KEY.get(node.target, (False,))[0]
+
+
+def node_attribute(node: torch.fx.Node, name: str) -> object:
+    """The value of attribute ``name`` on an attention node (its default when not passed)."""
+    idx = _FIRST_ATTRIBUTE + ATTRIBUTE_NAMES.index(name)
+    if idx < len(node.args):
+        return node.args[idx]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema_arg = node.target._schema.arguments[idx]
+    return schema_arg.default_value if schema_arg.has_default_value() else None
+
+
+def set_node_attribute(node: torch.fx.Node, name: str, value: object) -> None:
+    idx = _FIRST_ATTRIBUTE + ATTRIBUTE_NAMES.index(name)
+    if idx < len(node.args):
+        args = list(node.args)
+        args[idx] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
+def _rows(node_or_value: object) -> object:
+    val = getattr(node_or_value, "meta", {}).get("val") if isinstance(node_or_value, torch.fx.Node) else None
+    return val.shape[0] if val is not None else None
+
+
+class AttributesPass:
+    """Writes skip-softmax factors onto attention nodes and checks ``key_value_num_tokens``."""
+
+    def __init__(self, skip_softmax: SkipSoftmaxConfig) -> None:
+        self.skip_softmax = skip_softmax
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in attention_nodes(graph):
+            set_node_attribute(node, "skip_softmax_prefill_scale_factor", self.skip_softmax.prefill_scale_factor)
+            set_node_attribute(node, "skip_softmax_decode_scale_factor", self.skip_softmax.decode_scale_factor)
+            kv_tokens = node_attribute(node, "key_value_num_tokens")
+            rows = _rows(node.args[1])
+            if isinstance(kv_tokens, int) and isinstance(rows, int) and not 0 <= kv_tokens <= rows:
+                raise ValueError(
+                    f"attention node {node.name} (layer {node_attribute(node, 'layer_id')}): key_value_num_tokens="
+                    f"{kv_tokens} but k has {rows} rows; it must lie in [0, {rows}]"
+                )
+            if kv_tokens is not None and not isinstance(kv_tokens, (int, torch.fx.Node, torch.SymInt)):
+                raise TypeError(f"attention node {node.name}: key_value_num_tokens must be an int, got {kv_tokens!r}")
+
+    def uuid(self) -> str:
+        return source_hash(self, self.skip_softmax)
+
+
+class BreakablePass:
+    """Retargets every attention node to the breakable (or non-breakable) op of its kind."""
+
+    def __init__(self, breakable: bool) -> None:
+        self.breakable = breakable
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in attention_nodes(graph):
+            _, return_lse = _OP_KEY[node.target]
+            node.target = ATTENTION_OPS[(self.breakable, return_lse)]
+
+    def uuid(self) -> str:
+        return source_hash(self, self.breakable)
