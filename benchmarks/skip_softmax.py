@@ -258,7 +258,7 @@ def main() -> None:
     p.add_argument("--decode-lens", type=int, nargs="*", default=[16384, 65536])
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--prefill-factors", type=float, nargs="*", default=[1.0, 3.0, 30.0, 300.0, 3000.0])
-    p.add_argument("--decode-factors", type=float, nargs="*", default=[0.3, 3.0, 30.0, 300.0])
+    p.add_argument("--decode-factors", type=float, nargs="*", default=[100.0, 1000.0, 3000.0, 10000.0, 30000.0])
     p.add_argument("--prefill-tile-kv", type=int, default=64)
     p.add_argument("--prefill-warps", type=int, default=8)
     p.add_argument("--prefill-stages", type=int, default=2)
