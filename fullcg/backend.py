@@ -31,6 +31,7 @@ __all__ = ["Backend", "fullcg_backend"]
 
 logger = logging.getLogger(__name__)
 _warned_cpu = False
+_warned_grad = False
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -45,11 +46,12 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 def _compile_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compiler: str) -> PieceCall:
     if compiler == "eager":
-        return PieceCall(name, gm, boxed=False)
+        return PieceCall(name, gm)
     from torch._inductor.compile_fx import compile_fx
 
-    compiled = compile_fx(gm, list(example_inputs))
-    return PieceCall(name, compiled, boxed=bool(getattr(compiled, "_boxed_call", False)))
+    # compile_fx called like this returns a plain (unboxed) callable, whatever its
+    # copied-over `_boxed_call` attribute says.
+    return PieceCall(name, compile_fx(gm, list(example_inputs)))
 
 
 class _PieceCompiler(torch.fx.Interpreter):
@@ -68,7 +70,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         piece = next(p for p in self.split.pieces if p.name == target)
         self.dump.graph(f"{self.variant}/{piece.name}.py", piece.graph_module)
         if piece.breakable:
-            self.calls[target] = PieceCall(target, piece.graph_module, boxed=False)
+            self.calls[target] = PieceCall(target, piece.graph_module)
         else:
             self.calls[target] = _compile_piece(target, piece.graph_module, args, self.compiler)
         return super().call_module(target, args, kwargs)
@@ -88,7 +90,22 @@ def _variant_graph(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.G
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig) -> StepRunner:
-    """Build the variants of ``gm`` that ``config.graph_mode`` needs and a runner over them."""
+    """Build the variants of ``gm`` that ``config.graph_mode`` needs and a runner over them.
+
+    fullcg compiles inference steps: pieces are compiled and run without autograd.
+    """
+    global _warned_grad
+    if torch.is_grad_enabled() and not _warned_grad:
+        _warned_grad = True
+        logger.warning(
+            "fullcg: the model was compiled with autograd enabled; fullcg compiles inference steps and runs "
+            "them without recording gradients (wrap steps in torch.inference_mode() to silence this)"
+        )
+    with torch.no_grad():
+        return _compile_graph(gm, example_inputs, config)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig) -> StepRunner:
     global _warned_cpu
     device = _device_of(example_inputs)
     dump = GraphDump(config.dump_dir)

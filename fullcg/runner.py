@@ -38,14 +38,11 @@ def reset_graph_mode_counts() -> None:
 class PieceCall:
     """Calls one compiled piece (or the full graph); CUDA-graph capture wraps this call path."""
 
-    def __init__(self, name: str, fn: Callable[..., Any], boxed: bool) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
         self.name = name
         self.fn = fn
-        self.boxed = boxed
 
     def __call__(self, *args: Any) -> Any:
-        if self.boxed:
-            return self.fn(list(args))
         return self.fn(*args)
 
     def __repr__(self) -> str:
@@ -87,5 +84,5 @@ class StepRunner:
         variant = self.choose()
         _counts[f"{variant}:eager"] += 1
         graph = self.full if variant == "full" else self.piecewise
-        with derived_context(ctx, config=self.config, breakable=variant == "piecewise"):
+        with derived_context(ctx, config=self.config, breakable=variant == "piecewise"), torch.no_grad():
             return graph(*args)

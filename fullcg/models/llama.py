@@ -99,10 +99,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), positions, self.inv_freq)
-        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions, self.inv_freq)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        # View the contiguous projection as heads first, then split: a view of a split
+        # (non-contiguous) slice makes Inductor guard on the token count being > 1.
+        qkv = self.qkv_proj(hidden).view(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+        q = apply_rotary(q, positions, self.inv_freq)
+        k = apply_rotary(k, positions, self.inv_freq)
         if cfg.chunked_prefix:
             out = self._chunked_prefix_attention(q, k, v)
         else:
