@@ -96,6 +96,8 @@ class AttentionMetadata:
         seq_lens: ``int32 [num_requests]``: prefix plus new tokens.
         prefix_lens_tensor: ``int32 [num_requests]``.
         is_decode: ``bool [num_requests]``: which requests are in decode mode.
+        num_tokens_tensor: ``int32 [1]``: real (unpadded) new tokens, for kernels that must
+            not read the count on the host (CUDA graphs replay with other counts).
         prefix_chunk_tokens: capacity of one gathered prefix chunk (all requests together).
         prefix_chunks: the chunk plan for the chunked-prefix pattern.
     """
@@ -110,6 +112,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     prefix_lens_tensor: torch.Tensor
     is_decode: torch.Tensor
+    num_tokens_tensor: torch.Tensor
     prefix_chunk_tokens: int
     prefix_chunks: tuple[PrefixChunk, ...]
 
@@ -214,6 +217,7 @@ class AttentionMetadata:
             seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev),
             prefix_lens_tensor=torch.tensor(p_lens, dtype=torch.int32, device=dev),
             is_decode=torch.tensor([m.is_decode for m in modes], dtype=torch.bool, device=dev),
+            num_tokens_tensor=torch.tensor([sum(q_lens)], dtype=torch.int32, device=dev),
             prefix_chunk_tokens=prefix_chunk_tokens,
             prefix_chunks=tuple(chunks),
         )

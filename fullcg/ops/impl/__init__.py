@@ -22,10 +22,20 @@ __all__ = ["AttentionImpl", "register_implementation", "resolve_implementation",
 class AttentionImpl(Protocol):
     """What an attention implementation provides.
 
-    It may also define ``save_kv(call, ctx, cache)``, which writes the batch's new k/v into
-    the layer's cache (``metadata.slot_mapping``) before ``forward`` runs whenever
-    ``call.save_kv_cache``; without it the reference implementation's plain-torch copy is
-    used.
+    Optional members:
+
+    - ``save_kv(call, ctx, cache)``: writes the batch's new k/v into the layer's cache
+      (``metadata.slot_mapping``; slots < 0 are padding and skipped) before ``forward``
+      runs whenever ``call.save_kv_cache``. Without it the reference implementation's
+      plain-torch copy is used.
+    - ``capture_safe`` (default False): ``forward`` and ``save_kv`` may be captured in a
+      CUDA graph and replayed for other batches of the same padded shape: they read
+      per-step data only from the metadata's tensors (never host values such as
+      ``query_lens``), sync nothing, and allocate only shape-determined memory. The
+      runner captures full graphs only with a capture-safe implementation.
+    - ``plan(ctx)``: per-step host work (schedules, indptr buffers) for a batch. The
+      runner calls it before replaying a captured graph, outside capture; eager calls
+      of ``forward`` must plan lazily themselves.
     """
 
     name: str
