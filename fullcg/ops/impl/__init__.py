@@ -8,6 +8,7 @@ context's ``config.attention_impl`` picks one by name for each step.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Protocol
 
 import torch
@@ -53,7 +54,11 @@ class AttentionImpl(Protocol):
 
 _registry: dict[str, AttentionImpl] = {}
 # Built-in implementations that are imported on first use (they may need optional packages).
-_lazy: dict[str, str] = {"reference": "fullcg.ops.impl.reference"}
+_lazy: dict[str, str] = {
+    "reference": "fullcg.ops.impl.reference",
+    "triton": "fullcg.ops.impl.triton",
+    "flashinfer": "fullcg.ops.impl.flashinfer",
+}
 
 
 def register_implementation(impl: AttentionImpl) -> None:
@@ -72,7 +77,9 @@ def available_implementations() -> list[str]:
 def resolve_implementation(name: str, device: torch.device) -> AttentionImpl:
     """The implementation called ``name``; ``auto`` picks the best one for ``device``."""
     if name == "auto":
-        name = "reference"
+        # FlashInfer on CUDA devices when it is installed; the reference everywhere else.
+        on_cuda = torch.device(device).type == "cuda"
+        name = "flashinfer" if on_cuda and importlib.util.find_spec("flashinfer") is not None else "reference"
     impl = _registry.get(name)
     if impl is None and name in _lazy:
         importlib.import_module(_lazy[name])  # registers itself

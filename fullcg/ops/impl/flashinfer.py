@@ -1,0 +1,485 @@
+"""The ``flashinfer`` attention implementation: FlashInfer's paged and ragged kernels.
+
+What each call uses:
+
+- attention over the KV cache: ``BatchDecodeWithPagedKVCacheWrapper`` for decode-only
+  batches, otherwise ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for every request,
+  decode ones included. fullcg's cache pages ``[num_pages, page_size, kv_heads, head_dim]``
+  are FlashInfer's ``NHD`` layout with separate k and v tensors.
+- attention over given k/v (packed per request like q, or a prefix chunk packed as
+  ``metadata.prefix_chunks[c]`` says): ``BatchPrefillWithRaggedKVCacheWrapper``.
+
+FlashInfer's LSE is base 2; it is converted to the natural log at this boundary. Rows past
+the batch's real tokens (and rows of a request with nothing to attend to, as in a prefix
+chunk it has no part of) are zeroed, their LSE set to -inf.
+
+Planning. FlashInfer splits work on the host (``wrapper.plan``) and runs kernels on the
+device (``wrapper.run``); ``plan`` syncs and must not run under CUDA graph capture. A
+wrapper plan needs the layer's shape (heads, head dims, dtype, scale), which only attention
+calls reveal, so the implementation remembers the shapes it has seen and ``plan(ctx)``
+plans all of them for a new batch: run one eager step (the usual warm-up) before capturing.
+Eager calls plan lazily whenever the current metadata object has not been planned.
+
+CUDA graphs. For a padded batch size that is one of the config's capture sizes, plans use
+wrappers made with ``use_cuda_graph=True``, one per (layer shape, call kind, padded size),
+whose index buffers never move and whose request count is fixed at the padded size: real
+requests come first, then one stand-in request that owns the padding rows, then empty
+requests. Replaying a graph for another batch of the same padded size only needs
+``plan(ctx)`` first, which rewrites those buffers in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+
+import torch
+
+try:
+    import flashinfer
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "attention_impl='flashinfer' needs FlashInfer: `pip install fullcg[flashinfer]` "
+        "(flashinfer-python 0.6.4); or choose attention_impl='triton' or 'reference'"
+    ) from exc
+
+from fullcg.context import AttentionMetadata, ForwardContext
+from fullcg.kv_cache import KVCache
+from fullcg.ops.call import AttentionCall
+from fullcg.ops.impl import register_implementation
+
+__all__ = ["FlashInferAttention", "WORKSPACE_BYTES", "DENSE_BACKEND"]
+
+#: Float workspace shared by every wrapper of a device (split-KV partial results); FlashInfer
+#: recommends 128 MiB. Kernels of one device run in stream order, so sharing is safe.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+#: FlashAttention-2 kernels run on every GPU FlashInfer supports and JIT-compile about four
+#: times faster than fa3 on Hopper (REFERENCE.md); paged, ragged and tensor-core decode
+#: share one compiled module per dtype and head dim.
+DENSE_BACKEND = "fa2"
+#: The only FlashInfer 0.6.4 backend that honours ``skip_softmax_threshold_scale_factor``.
+SKIP_SOFTMAX_BACKEND = "trtllm-gen"
+
+_LN2 = math.log(2.0)
+_INT = torch.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What a wrapper plan depends on besides the batch: one layer's attention shape."""
+
+    device: torch.device
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    scale: float
+
+
+# Call kinds: ("cache",), ("ragged", causal), ("chunk", index). "cache" plans the decode
+# wrapper for decode-only batches and the paged prefill wrapper otherwise.
+_Kind = tuple
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A wrapper and the batch it is planned for."""
+
+    wrapper: object
+    metadata: weakref.ReferenceType[AttentionMetadata]
+    slots: int | None  # fixed request count (CUDA-graph wrapper) or None (exact batch)
+    kv_rows: int  # rows of given k/v the plan reads (ragged kinds)
+    backend: str
+
+
+@dataclasses.dataclass
+class _Indices:
+    """Host-built index arrays of one plan."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor | None = None
+    last_page_len: torch.Tensor | None = None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _padded_size(ctx: ForwardContext) -> int | None:
+    """The capture size this batch is padded to, or None when it runs uncaptured."""
+    n = ctx.metadata.num_tokens
+    for size in ctx.config.sizes_to_capture:
+        if size >= n:
+            return size
+    return None
+
+
+def _paged_indices(md: AttentionMetadata, slots: int | None, padded_rows: int, decode: bool) -> _Indices:
+    """indptr/indices/last_page_len over each request's prefix and new tokens.
+
+    With ``slots`` the request count is padded to ``slots``: a stand-in request owns the
+    padding rows (``padded_rows - num_tokens``; for decode, one row per missing request)
+    and reads page 0, so it never reaches outside the cache; its output is zeroed later.
+    """
+    ps = md.page_size
+    table = md.page_table.cpu()
+    q_lens = list(md.query_lens)
+    kv_lens = [q + p for q, p in zip(md.query_lens, md.prefix_lens)]
+    pages = [table[r, : math.ceil(n / ps)].to(_INT) for r, n in enumerate(kv_lens)]
+    last = [n - (math.ceil(n / ps) - 1) * ps for n in kv_lens]
+    if slots is not None:
+        extra = slots - len(q_lens)
+        if extra < 0:
+            raise ValueError(f"flashinfer: {len(q_lens)} requests do not fit a CUDA-graph plan of {slots} slots")
+        pad_rows = padded_rows - md.num_tokens
+        for i in range(extra):
+            if decode:
+                rows = 1
+            else:
+                rows = pad_rows if i == 0 else 0
+            kv = max(rows, 1)
+            q_lens.append(rows)
+            pages.append(torch.zeros(math.ceil(kv / ps), dtype=_INT))
+            last.append(kv - (math.ceil(kv / ps) - 1) * ps)
+    qo = torch.zeros(len(q_lens) + 1, dtype=_INT)
+    qo[1:] = torch.tensor(q_lens, dtype=_INT).cumsum(0)
+    kv_indptr = torch.zeros(len(pages) + 1, dtype=_INT)
+    kv_indptr[1:] = torch.tensor([len(p) for p in pages], dtype=_INT).cumsum(0)
+    return _Indices(qo, kv_indptr, torch.cat(pages), torch.tensor(last, dtype=_INT))
+
+
+def _ragged_indices(md: AttentionMetadata, kind: _Kind, slots: int | None, padded_rows: int) -> _Indices:
+    """qo/kv indptr for attention over given k/v; stand-in requests read no k/v rows."""
+    q_lens = list(md.query_lens)
+    if kind[0] == "chunk":
+        kv_lens = list(md.prefix_chunks[kind[1]].lens)
+    else:
+        kv_lens = list(md.query_lens)
+    if slots is not None:
+        extra = slots - len(q_lens)
+        if extra < 0:
+            raise ValueError(f"flashinfer: {len(q_lens)} requests do not fit a CUDA-graph plan of {slots} slots")
+        pad_rows = padded_rows - md.num_tokens
+        q_lens += [pad_rows] + [0] * (extra - 1) if extra else []
+        kv_lens += [0] * extra
+    qo = torch.zeros(len(q_lens) + 1, dtype=_INT)
+    qo[1:] = torch.tensor(q_lens, dtype=_INT).cumsum(0)
+    kv = torch.zeros(len(kv_lens) + 1, dtype=_INT)
+    kv[1:] = torch.tensor(kv_lens, dtype=_INT).cumsum(0)
+    return _Indices(qo, kv)
+
+
+class FlashInferAttention:
+    """FlashInfer kernels behind fullcg's attention ops; see the module docstring."""
+
+    name = "flashinfer"
+    capture_safe = True
+
+    def __init__(self) -> None:
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
+        # One int workspace (plan info) per shape and kind: wrappers of different padded
+        # sizes share it, since each is planned again right before it runs.
+        self._int_workspaces: dict[tuple, torch.Tensor] = {}
+        self._wrappers: dict[tuple, object] = {}
+        self._plans: dict[tuple, _Plan] = {}
+        self._known: dict[_Shape, set[_Kind]] = {}
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self, ctx: ForwardContext) -> None:
+        """Plan every layer shape and call kind seen so far for ``ctx``'s batch.
+
+        Runs on the host (and syncs); call it outside CUDA graph capture, before replaying
+        a graph captured for this batch's padded size.
+        """
+        slots = _padded_size(ctx)
+        md = ctx.metadata
+        for shape, kinds in self._known.items():
+            for kind in kinds:
+                if kind[0] == "chunk" and kind[1] >= len(md.prefix_chunks):
+                    continue
+                cache = None
+                if kind[0] == "cache":
+                    # The largest cache of this shape sizes the page buffers.
+                    fits = [
+                        c for c in ctx.kv_caches.values()
+                        if c.k.device == shape.device and c.num_kv_heads == shape.num_kv_heads
+                        and c.head_dim == shape.head_dim and c.v_head_dim == shape.v_head_dim
+                    ]
+                    if not fits:
+                        continue
+                    cache = max(fits, key=lambda c: c.num_pages)
+                self._plan(shape, kind, md, slots, cache, skip_factor=None)
+
+    def _workspace(self, device: torch.device) -> torch.Tensor:
+        ws = self._workspaces.get(device)
+        if ws is None:
+            ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._workspaces[device] = ws
+        return ws
+
+    def _wrapper(
+        self, shape: _Shape, kind: _Kind, decode: bool, slots: int | None, max_pages: int, backend: str
+    ) -> object:
+        """The wrapper for ``kind`` (and decode or not); CUDA-graph ones get fixed buffers."""
+        flavour = "ragged" if kind[0] != "cache" else ("decode" if decode else "paged")
+        # max_pages follows the cache's size: a new cache gets new buffers (graphs captured
+        # with the old ones are captured again anyway, since the cache moved).
+        key = (shape, kind, flavour, slots, max_pages if slots is not None else 0, backend)
+        wrapper = self._wrappers.get(key)
+        if wrapper is not None:
+            return wrapper
+        dev = shape.device
+        ws = self._workspace(dev)
+        graph: dict[str, object] = {}
+        if slots is not None:
+            graph["use_cuda_graph"] = True
+        if flavour == "decode":
+            if slots is not None:
+                graph.update(
+                    paged_kv_indptr_buffer=torch.zeros(slots + 1, dtype=_INT, device=dev),
+                    paged_kv_indices_buffer=torch.zeros(max_pages, dtype=_INT, device=dev),
+                    paged_kv_last_page_len_buffer=torch.zeros(slots, dtype=_INT, device=dev),
+                )
+            # Tensor-core decode runs on the prefill module: one JIT compile serves both.
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_tensor_cores=backend != SKIP_SOFTMAX_BACKEND, backend=backend, **graph
+            )
+        elif flavour == "paged":
+            if slots is not None:
+                graph.update(
+                    qo_indptr_buf=torch.zeros(slots + 1, dtype=_INT, device=dev),
+                    paged_kv_indptr_buf=torch.zeros(slots + 1, dtype=_INT, device=dev),
+                    paged_kv_indices_buf=torch.zeros(max_pages, dtype=_INT, device=dev),
+                    paged_kv_last_page_len_buf=torch.zeros(slots, dtype=_INT, device=dev),
+                )
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend, **graph)
+        else:
+            if slots is not None:
+                graph.update(
+                    qo_indptr_buf=torch.zeros(slots + 1, dtype=_INT, device=dev),
+                    kv_indptr_buf=torch.zeros(slots + 1, dtype=_INT, device=dev),
+                )
+            wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend, **graph)
+        int_key = (shape, kind, flavour, backend)
+        int_ws = self._int_workspaces.get(int_key)
+        if int_ws is None:
+            self._int_workspaces[int_key] = wrapper._int_workspace_buffer
+        else:
+            wrapper.reset_workspace_buffer(ws, int_ws)
+        self._wrappers[key] = wrapper
+        return wrapper
+
+    def _plan(
+        self,
+        shape: _Shape,
+        kind: _Kind,
+        md: AttentionMetadata,
+        slots: int | None,
+        cache: KVCache | None,
+        skip_factor: float | None,
+    ) -> _Plan:
+        backend = DENSE_BACKEND if skip_factor is None else SKIP_SOFTMAX_BACKEND
+        common = dict(sm_scale=shape.scale, q_data_type=shape.dtype)
+        if kind[0] == "cache":
+            assert cache is not None
+            # The decode wrapper takes one head dim for k and v; other shapes use the prefill one.
+            decode = md.is_decode_only and shape.head_dim == shape.v_head_dim
+            rows = slots if slots is not None else md.num_tokens
+            idx = _paged_indices(md, slots, rows, decode)
+            max_pages = 2 * cache.num_pages + 2 * (slots or 0) + 1
+            if slots is not None and idx.kv_indices.numel() > max_pages:
+                raise ValueError(
+                    f"flashinfer: the batch reads {idx.kv_indices.numel()} pages, more than a CUDA-graph plan holds "
+                    f"({max_pages}); requests share too many pages for captured attention, run it uncaptured"
+                )
+            wrapper = self._wrapper(shape, kind, decode, slots, max_pages, backend)
+            kv_dtype = dict(kv_data_type=cache.k.dtype)
+            if decode:
+                wrapper.plan(
+                    idx.kv_indptr, idx.kv_indices, idx.last_page_len, shape.num_qo_heads, shape.num_kv_heads,
+                    shape.head_dim, md.page_size, **common, **kv_dtype,
+                )
+            else:
+                wrapper.plan(
+                    idx.qo_indptr, idx.kv_indptr, idx.kv_indices, idx.last_page_len, shape.num_qo_heads,
+                    shape.num_kv_heads, shape.head_dim, md.page_size, head_dim_vo=shape.v_head_dim, causal=True,
+                    **common, **kv_dtype,
+                )
+            kv_rows = 0
+        else:
+            rows = slots if slots is not None else md.num_tokens
+            idx = _ragged_indices(md, kind, slots, rows)
+            wrapper = self._wrapper(shape, kind, False, slots, 0, backend)
+            causal = kind[0] == "ragged" and kind[1]
+            wrapper.plan(
+                idx.qo_indptr, idx.kv_indptr, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
+                head_dim_vo=shape.v_head_dim, causal=causal, **common,
+            )
+            kv_rows = int(idx.kv_indptr[-1])
+        plan = _Plan(wrapper, weakref.ref(md), slots, kv_rows, backend)
+        self._plans[(shape, kind, slots, backend)] = plan
+        return plan
+
+    def _planned(
+        self, call: AttentionCall, ctx: ForwardContext, shape: _Shape, kind: _Kind, cache: KVCache | None,
+        skip_factor: float | None,
+    ) -> _Plan:
+        """The plan for this call's batch: a CUDA-graph one for this padded size if made,
+        else an exact one, planned now if needed (never during capture)."""
+        md = ctx.metadata
+        self._known.setdefault(shape, set()).add(kind)
+        backend = DENSE_BACKEND if skip_factor is None else SKIP_SOFTMAX_BACKEND
+        for slots in (call.q.shape[0], None):
+            plan = self._plans.get((shape, kind, slots, backend))
+            if plan is not None and plan.metadata() is md:
+                return plan
+        if _capturing():
+            raise RuntimeError(
+                f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='flashinfer': this batch was not "
+                "planned before CUDA graph capture. Run one eager step of this model first (so the implementation "
+                "knows its attention shapes), then call plan(ctx) for the batch outside capture"
+            )
+        slots = _padded_size(ctx)
+        if slots != call.q.shape[0] or skip_factor is not None:
+            slots = None
+        return self._plan(shape, kind, md, slots, cache, skip_factor)
+
+    # ------------------------------------------------------------------ skip-softmax
+
+    @staticmethod
+    def _skip_factor(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> float | None:
+        """The skip-softmax factor to pass to FlashInfer, or None for dense attention.
+
+        Refuses, rather than ignores, a factor FlashInfer would not honour.
+        """
+        modes = ctx.metadata.forward_modes
+        factors = {call.scale_factor_for(m) for m in modes} - {None}
+        if not factors:
+            return None
+        where = f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='flashinfer'"
+        alternative = "use attention_impl='triton' (skip-softmax on any GPU) or 'reference'"
+        major = torch.cuda.get_device_capability(call.q.device)[0] if call.q.is_cuda else 0
+        if major < 10:
+            raise ValueError(
+                f"{where}: FlashInfer honours a skip-softmax factor only with its trtllm-gen backend on SM100+ "
+                f"(Blackwell); this GPU is SM{major}x, where the factor would be silently ignored. {alternative}, "
+                "or unset the skip-softmax factors"
+            )
+        if cache is None:
+            raise ValueError(f"{where}: skip-softmax is supported for attention over the KV cache only; {alternative}")
+        if len(factors) > 1 or any(call.scale_factor_for(m) is None for m in modes):
+            raise ValueError(
+                f"{where}: a mixed batch needs the prefill factor for prefill/extend requests and the decode factor "
+                f"for decode ones, but FlashInfer takes one factor per call; {alternative}, or run decode and "
+                "prefill in separate steps"
+            )
+        if _capturing():
+            raise RuntimeError(f"{where}: skip-softmax with the trtllm-gen backend is not CUDA-graph safe here; "
+                               "run these steps uncaptured (graph_mode='none' or 'piecewise')")
+        return factors.pop()
+
+    # ------------------------------------------------------------------ running
+
+    def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
+        """Write the new tokens' k/v to ``metadata.slot_mapping``; slots < 0 (padding) are skipped.
+
+        CUDA-graph safe: no host sync, shapes fixed by ``slot_mapping``. A padding row is
+        redirected to token 0's slot with token 0's values, so the duplicate write stores the
+        same bytes and ``index_copy_`` stays deterministic (token 0 is always a real token).
+        """
+        slots = ctx.metadata.slot_mapping.to(cache.k.device)
+        n = slots.shape[0]
+        rows = torch.arange(n, device=slots.device)
+        src = torch.where(slots >= 0, rows, torch.zeros_like(rows))
+        dst = slots[src]
+        flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
+        flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
+        flat_k.index_copy_(0, dst, call.k[:n][src].to(cache.k.dtype))
+        flat_v.index_copy_(0, dst, call.v[:n][src].to(cache.v.dtype))
+
+    def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
+        """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""
+        q, out = call.q, call.out
+        where = f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='flashinfer'"
+        if not q.is_cuda:
+            raise RuntimeError(f"{where}: tensors are on {q.device}; FlashInfer needs a CUDA device. "
+                               "Use attention_impl='reference' on the CPU")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{where}: FlashInfer computes in float16 or bfloat16, got {q.dtype}; "
+                            "cast the model or use attention_impl='reference'")
+        if cache is not None and cache.k.dtype != q.dtype:
+            raise TypeError(f"{where}: the KV cache holds {cache.k.dtype} but q is {q.dtype}; "
+                            "allocate the cache in q's dtype")
+        md = ctx.metadata
+        skip_factor = self._skip_factor(call, ctx, cache)
+        shape = _Shape(q.device, call.num_q_heads, call.num_kv_heads, q.shape[2], call.v.shape[2], q.dtype,
+                       float(call.scale))
+        if cache is not None:
+            kind: _Kind = ("cache",)
+        elif call.prefix_chunk is not None:
+            kind = ("chunk", call.prefix_chunk)
+        else:
+            kind = ("ragged", bool(call.causal))
+        plan = self._planned(call, ctx, shape, kind, cache, skip_factor)
+
+        q = q.contiguous()
+        target = out if out.is_contiguous() else torch.empty_like(out)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if call.return_lse else None
+        extra = {} if skip_factor is None else {"skip_softmax_threshold_scale_factor": skip_factor}
+        if kind[0] == "cache":
+            pages = (cache.k, cache.v)
+            if isinstance(plan.wrapper, flashinfer.BatchDecodeWithPagedKVCacheWrapper):
+                # The decode wrapper maps request i to row i: pass exactly its batch.
+                b = plan.slots if plan.slots is not None else md.num_requests
+                plan.wrapper.run(
+                    q[:b], pages, out=target[:b], lse=None if lse is None else lse[:b],
+                    return_lse=lse is not None, **extra,
+                )
+            else:
+                plan.wrapper.run(q, pages, out=target, lse=lse, return_lse=lse is not None, **extra)
+        else:
+            rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
+            if plan.kv_rows > rows:
+                raise ValueError(f"{where}: the plan reads {plan.kv_rows} rows of k/v but only {rows} are valid")
+            plan.wrapper.run(
+                q, call.k.contiguous(), call.v.contiguous(), out=target, lse=lse, return_lse=lse is not None
+            )
+
+        dead = self._dead_rows(call, md, q.shape[0], q.device)
+        target.masked_fill_(dead[:, None, None], 0)
+        if target is not out:
+            out.copy_(target)
+        if lse is None:
+            return None
+        lse.mul_(_LN2)  # FlashInfer's log2 -> natural log
+        lse.masked_fill_(dead[:, None], float("-inf"))
+        return lse
+
+    @staticmethod
+    def _dead_rows(call: AttentionCall, md: AttentionMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
+        """``bool [T]``: rows past the real tokens, and (prefix chunks) rows whose request has
+        no keys in the chunk. Built on the device from metadata tensors (CUDA-graph safe)."""
+        rows = torch.arange(num_rows, device=device, dtype=torch.int32)
+        dead = rows >= md.num_tokens_tensor.to(device)
+        if call.prefix_chunk is None:
+            return dead
+        c = call.prefix_chunk
+        with_prefix = sum(1 for p in md.prefix_lens if p > 0)
+        per_req = max(1, md.prefix_chunk_tokens // with_prefix)
+        if tuple(max(0, min(per_req, p - c * per_req)) for p in md.prefix_lens) != md.prefix_chunks[c].lens:
+            raise RuntimeError(
+                "the flashinfer implementation's prefix-chunk layout disagrees with AttentionMetadata.prefix_chunks; "
+                "update FlashInferAttention._dead_rows to the new chunk plan"
+            )
+        lens = (md.prefix_lens_tensor.to(device) - c * per_req).clamp(0, per_req)
+        qloc = md.query_start_loc.to(device)
+        req = torch.searchsorted(qloc, rows, right=True) - 1
+        req = req.clamp(0, lens.shape[0] - 1)
+        return dead | (lens[req] == 0)
+
+
+register_implementation(FlashInferAttention())

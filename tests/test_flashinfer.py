@@ -1,0 +1,310 @@
+"""The ``flashinfer`` implementation computes what the reference computes.
+
+Every GPU test runs the same batch through ``attention_impl="reference"`` and
+``"flashinfer"`` (bf16, where FlashInfer computes) and checks both against the float64
+oracle. One test runs without FlashInfer or a GPU: choosing the implementation when
+FlashInfer is missing names the install command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+import fullcg
+from fullcg.config import FullCGConfig, SkipSoftmaxConfig
+from fullcg.ops.impl import _registry, resolve_implementation
+
+from batches import Batch, make_batch, naive_attention, oracle
+
+
+def test_choosing_flashinfer_without_it_installed_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` now raises ImportError
+    monkeypatch.delitem(sys.modules, "fullcg.ops.impl.flashinfer", raising=False)
+    monkeypatch.delitem(_registry, "flashinfer", raising=False)
+    with pytest.raises(ImportError, match=r"pip install fullcg\[flashinfer\]"):
+        resolve_implementation("flashinfer", torch.device("cpu"))
+
+
+def test_auto_picks_the_reference_on_the_cpu():
+    assert resolve_implementation("auto", torch.device("cpu")).name == "reference"
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer kernels need a CUDA GPU")
+
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+# bf16 inputs, float32 accumulation on both sides: compare at bf16 output precision.
+TOL = dict(atol=2e-2, rtol=2e-2)
+BATCHES = {
+    "prefill": ([21, 9], [0, 0]),
+    "extend": ([7, 12], [40, 23]),
+    "decode": ([1, 1, 1], [70, 5, 33]),
+    "mixed": ([13, 1, 6, 1], [0, 50, 37, 16]),
+}
+HEADS = {"gqa4": (8, 2), "mha": (4, 4)}
+
+
+def flashinfer_impl():
+    pytest.importorskip("flashinfer", reason="flashinfer is not installed: `pip install fullcg[flashinfer]`")
+    return resolve_implementation("flashinfer", DEVICE)
+
+
+def on_gpu(b: Batch) -> Batch:
+    md = b.metadata
+    moved = {
+        f.name: getattr(md, f.name).to(DEVICE)
+        for f in dataclasses.fields(md)
+        if isinstance(getattr(md, f.name), torch.Tensor)
+    }
+    cache = b.layer.kv_cache
+    cache.k, cache.v = cache.k.to(DEVICE), cache.v.to(DEVICE)
+    b.layer._kv_device = DEVICE
+    return dataclasses.replace(
+        b, metadata=dataclasses.replace(md, **moved), q=b.q.to(DEVICE), k=b.k.to(DEVICE), v=b.v.to(DEVICE)
+    )
+
+
+def batch(name: str, heads: str = "gqa4", **kw) -> Batch:
+    q_lens, p_lens = BATCHES[name]
+    nh, nkv = HEADS[heads]
+    kw.setdefault("seed", len(name))
+    return on_gpu(make_batch(q_lens, p_lens, num_heads=nh, num_kv_heads=nkv, head_dim=64, page_size=16,
+                             dtype=DTYPE, **kw))
+
+
+def config(impl: str, **skip) -> FullCGConfig:
+    return FullCGConfig(attention_impl=impl, skip_softmax=SkipSoftmaxConfig(**skip))
+
+
+def attend(b: Batch, impl: str, q=None, k=None, v=None, **kwargs):
+    q = b.q if q is None else q
+    with fullcg.forward_context(b.metadata, b.layer, config=config(impl)):
+        return b.layer(q, b.k if k is None else k, b.v if v is None else v, return_lse=True, **kwargs)
+
+
+def assert_matches_reference(b: Batch, **kwargs):
+    ref_out, ref_lse = attend(b, "reference", **kwargs)
+    out, lse = attend(b, "flashinfer", **kwargs)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    return out, lse
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_cache_attention_and_natural_log_lse_match_the_reference_and_oracle(name, heads):
+    flashinfer_impl()
+    b = batch(name, heads)
+    out, lse = assert_matches_reference(b)
+    expected_out, expected_lse = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
+    # A base-2 LSE would be off by a factor of ln 2: far outside this tolerance.
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, **TOL)
+
+
+@needs_gpu
+def test_new_tokens_are_saved_to_their_slots_and_padding_slots_are_skipped():
+    impl = flashinfer_impl()
+    b = batch("mixed")
+    md = b.metadata
+    cache = b.layer.kv_cache
+    before_k = cache.k.clone()
+    pad = 3
+    k = torch.cat([b.k, torch.randn(pad, *b.k.shape[1:], device=DEVICE, dtype=DTYPE)])
+    v = torch.cat([b.v, torch.randn(pad, *b.v.shape[1:], device=DEVICE, dtype=DTYPE)])
+    slots = torch.cat([md.slot_mapping, torch.full((pad,), -1, dtype=torch.int64, device=DEVICE)])
+    padded_md = dataclasses.replace(md, slot_mapping=slots)
+    call = type("Call", (), {"k": k, "v": v})()
+    with fullcg.forward_context(padded_md, b.layer, config=config("flashinfer")) as ctx:
+        impl.save_kv(call, ctx, cache)
+    flat_k = cache.k.view(-1, *cache.k.shape[2:])
+    torch.testing.assert_close(flat_k[md.slot_mapping], b.k, atol=0, rtol=0)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[md.slot_mapping] = False
+    assert torch.equal(flat_k[untouched], before_k.view(-1, *cache.k.shape[2:])[untouched])
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_over_given_kv_matches_the_reference(causal):
+    flashinfer_impl()
+    b = batch("prefill")
+    assert_matches_reference(b, use_kv_cache=False, causal=causal)
+    starts = b.metadata.query_starts
+    out, lse = attend(b, "flashinfer", use_kv_cache=False, causal=causal)
+    for r in range(b.metadata.num_requests):
+        s, e = starts[r], starts[r + 1]
+        o, l = naive_attention(b.q[s:e].cpu(), b.k[s:e].cpu(), b.v[s:e].cpu(), b.layer.scale, 0 if causal else None)
+        torch.testing.assert_close(out[s:e].double().cpu(), o, **TOL)
+        torch.testing.assert_close(lse[s:e].double().cpu(), l, **TOL)
+
+
+@needs_gpu
+@pytest.mark.parametrize("chunk_tokens", [64, 20])
+def test_chunked_prefix_merge_equals_attention_over_the_whole_sequence(chunk_tokens):
+    """Suffix (causal over new tokens) merged with every prefix chunk by LSE: exact only
+    if each LSE is the natural log, as merge_attn_states assumes."""
+    flashinfer_impl()
+    b = batch("mixed", prefix_chunk_tokens=chunk_tokens)
+    md = b.metadata
+    cfg = config("flashinfer")
+    ref_cfg = config("reference")
+    assert len(md.prefix_chunks) >= 1
+    results = {}
+    for name, c in (("flashinfer", cfg), ("reference", ref_cfg)):
+        with fullcg.forward_context(md, b.layer, config=c):
+            out, lse = b.layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, causal=True, save_kv_cache=True)
+            for chunk in range(len(md.prefix_chunks)):
+                ck, cv = b.layer.gather_prefix_chunk(chunk)
+                p_out, p_lse = b.layer(b.q, ck, cv, return_lse=True, use_kv_cache=False, causal=False,
+                                       prefix_chunk=chunk, save_kv_cache=False)
+                merged = torch.empty_like(out)
+                merged_lse = torch.empty_like(lse)
+                torch.ops.fullcg.merge_attn_states(merged, p_out, p_lse, out, lse, merged_lse)
+                out, lse = merged, merged_lse
+        results[name] = (out, lse)
+    torch.testing.assert_close(results["flashinfer"][0].float(), results["reference"][0].float(), **TOL)
+    torch.testing.assert_close(results["flashinfer"][1], results["reference"][1], **TOL)
+    expected_out, expected_lse = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    torch.testing.assert_close(results["flashinfer"][0].double().cpu(), expected_out, **TOL)
+    torch.testing.assert_close(results["flashinfer"][1].double().cpu(), expected_lse, **TOL)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["prefill", "decode", "mixed"])
+def test_padding_rows_are_zero_with_minus_infinite_lse(name):
+    flashinfer_impl()
+    b = batch(name)
+    pad = 5
+    q = torch.cat([b.q, torch.full((pad, *b.q.shape[1:]), float("nan"), device=DEVICE, dtype=DTYPE)])
+    k = torch.cat([b.k, torch.randn(pad, *b.k.shape[1:], device=DEVICE, dtype=DTYPE)])
+    v = torch.cat([b.v, torch.randn(pad, *b.v.shape[1:], device=DEVICE, dtype=DTYPE)])
+    n = b.metadata.num_tokens
+    ref_out, ref_lse = attend(b, "reference")
+    out, lse = attend(b, "flashinfer", q=q, k=k, v=v)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    assert torch.isneginf(lse[n:]).all()
+    torch.testing.assert_close(out[:n].float(), ref_out.float(), **TOL)
+    torch.testing.assert_close(lse[:n], ref_lse, **TOL)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["prefill", "decode"])
+def test_a_skip_softmax_factor_is_refused_below_sm100_and_names_the_alternatives(name):
+    flashinfer_impl()
+    if torch.cuda.get_device_capability()[0] >= 10:
+        pytest.skip("SM100+ passes the factor to FlashInfer's trtllm-gen backend")
+    b = batch(name)
+    cfg = config("flashinfer", prefill_scale_factor=4.0, decode_scale_factor=4.0)
+    with fullcg.forward_context(b.metadata, b.layer, config=cfg):
+        with pytest.raises(ValueError, match="attention_impl='triton'.*'reference'"):
+            b.layer(b.q, b.k, b.v)
+
+
+@needs_gpu
+def test_a_factor_for_modes_absent_from_the_batch_runs_dense():
+    flashinfer_impl()
+    b = batch("prefill")
+    ref_out, _ = attend(b, "reference")
+    with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer", decode_scale_factor=4.0)):
+        out = b.layer(b.q, b.k, b.v)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL)
+
+
+def _padded(b: Batch, size: int) -> tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's q/k/v padded to ``size`` rows and its slot mapping padded with -1."""
+    n = b.metadata.num_tokens
+    pad = size - n
+
+    def grow(x):
+        return torch.cat([x, torch.zeros(pad, *x.shape[1:], device=DEVICE, dtype=x.dtype)])
+
+    slots = torch.cat([b.metadata.slot_mapping, torch.full((pad,), -1, dtype=torch.int64, device=DEVICE)])
+    return dataclasses.replace(b, metadata=dataclasses.replace(b.metadata, slot_mapping=slots)), grow(b.q), grow(b.k), grow(b.v)
+
+
+def _batch_with_pages(q_lens: list[int], p_lens: list[int], num_pages: int, seed: int) -> Batch:
+    """A GPU batch whose cache has exactly ``num_pages`` pages (so two batches' caches fit one another)."""
+    used = sum(-(-(q + p) // 16) for q, p in zip(q_lens, p_lens))
+    return on_gpu(make_batch(q_lens, p_lens, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=DTYPE,
+                             seed=seed, spare_pages=num_pages - used))
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+def test_captured_attention_replays_a_different_batch_of_the_same_padded_size(kind):
+    """Warm up eagerly, plan outside capture, capture once; then plan another batch of the
+    same padded size and replay: the output matches the oracle for the new batch.
+
+    As a runner does, the metadata tensors the graph reads (slot mapping, real token
+    count) live in static buffers that are refilled before the replay.
+    """
+    impl = flashinfer_impl()
+    assert impl.capture_safe
+    size = 8
+    if kind == "decode":
+        first, second = ([1] * 5, [3, 40, 17, 9, 22]), ([1] * 7, [30, 2, 5, 64, 11, 8, 19])
+    else:
+        first, second = ([3, 2], [10, 30]), ([2, 1, 4], [5, 20, 33])  # the second is mixed
+    cfg = FullCGConfig(attention_impl="flashinfer", capture_sizes=(size,))
+    b1 = _batch_with_pages(*first, num_pages=48, seed=3)
+    b2 = _batch_with_pages(*second, num_pages=48, seed=4)
+    layer, cache = b1.layer, b1.layer.kv_cache
+    p1, q1, k1, v1 = _padded(b1, size)
+    p2, q2, k2, v2 = _padded(b2, size)
+    static_q, static_k, static_v = q1.clone(), k1.clone(), v1.clone()
+    static_slots = p1.metadata.slot_mapping.clone()
+    static_count = p1.metadata.num_tokens_tensor.clone()
+    md1 = dataclasses.replace(p1.metadata, slot_mapping=static_slots, num_tokens_tensor=static_count)
+
+    with fullcg.forward_context(md1, layer, config=cfg) as ctx:
+        layer(static_q, static_k, static_v, return_lse=True)  # warm-up: the implementation learns the shape
+        impl.plan(ctx)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out, static_lse = layer(static_q, static_k, static_v, return_lse=True)
+
+    # The second batch: its prefixes into the captured cache, its inputs into the static buffers.
+    cache.k.copy_(b2.layer.kv_cache.k)
+    cache.v.copy_(b2.layer.kv_cache.v)
+    for dst, src in ((static_q, q2), (static_k, k2), (static_v, v2)):
+        dst.copy_(src)
+    static_slots.copy_(p2.metadata.slot_mapping)
+    static_count.copy_(p2.metadata.num_tokens_tensor)
+    md2 = dataclasses.replace(p2.metadata, slot_mapping=static_slots, num_tokens_tensor=static_count)
+    with fullcg.forward_context(md2, layer, config=cfg) as ctx:
+        impl.plan(ctx)
+        graph.replay()
+    torch.cuda.synchronize()
+
+    n = md2.num_tokens
+    expected_out, expected_lse = oracle(dataclasses.replace(b2, q=b2.q.cpu()))
+    torch.testing.assert_close(static_out[:n].double().cpu(), expected_out, **TOL)
+    torch.testing.assert_close(static_lse[:n].double().cpu(), expected_lse, **TOL)
+    assert torch.equal(static_out[n:], torch.zeros_like(static_out[n:]))
+    assert torch.isneginf(static_lse[n:]).all()
+    # The replay also saved the second batch's new k/v into its slots.
+    flat_k = cache.k.view(-1, *cache.k.shape[2:])
+    torch.testing.assert_close(flat_k[p2.metadata.slot_mapping[:n]], b2.k, atol=0, rtol=0)
+
+
+@needs_gpu
+def test_capturing_an_unplanned_batch_fails_with_the_fix():
+    impl = flashinfer_impl()
+    b = batch("decode", seed=11)
+    cfg = FullCGConfig(attention_impl="flashinfer", capture_sizes=(8,))
+    p, q, k, v = _padded(b, 8)
+    with fullcg.forward_context(p.metadata, b.layer, config=cfg):
+        b.layer(q, k, v)  # eager: plans this metadata object
+    fresh = dataclasses.replace(p.metadata)  # same batch, new object: not planned
+    with fullcg.forward_context(fresh, b.layer, config=cfg):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="plan"):
+            with torch.cuda.graph(graph):
+                b.layer(q, k, v)
