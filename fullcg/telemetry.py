@@ -50,7 +50,9 @@ def counters(layer_id: int, device: torch.device) -> torch.Tensor:
     key = (layer_id, torch.device(device))
     t = _counters.get(key)
     if t is None:
-        t = _counters[key] = torch.zeros(2, 2, dtype=torch.int64, device=device)
+        # A normal tensor even when first used under inference_mode, so it can be reset later.
+        with torch.inference_mode(False):
+            t = _counters[key] = torch.zeros(2, 2, dtype=torch.int64, device=device)
     return t
 
 
