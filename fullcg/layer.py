@@ -161,5 +161,5 @@ class Attention(nn.Module):
         rows = context.prefix_chunk_tokens()
         k = torch.empty((rows, self.num_kv_heads, self.head_dim), dtype=self._kv_dtype, device=self._kv_device)
         v = torch.empty((rows, self.num_kv_heads, self.v_head_dim), dtype=self._kv_dtype, device=self._kv_device)
-        torch.ops.fullcg.gather_prefix_chunk(k, v, self.layer_id, chunk)
+        torch.ops.fullcg.gather_prefix_chunk.default(k, v, self.layer_id, chunk)
         return k, v

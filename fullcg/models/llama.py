@@ -119,7 +119,7 @@ class LlamaAttention(nn.Module):
             k_c, v_c = self.attn.gather_prefix_chunk(c)
             out_c, lse_c = self.attn(q, k_c, v_c, return_lse=True, use_kv_cache=False, causal=False, prefix_chunk=c)
             merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-            torch.ops.fullcg.merge_attn_states(merged, out_c, lse_c, out, lse, merged_lse)
+            torch.ops.fullcg.merge_attn_states.default(merged, out_c, lse_c, out, lse, merged_lse)
             out, lse = merged, merged_lse
         return out
 

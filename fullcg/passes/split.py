@@ -2,6 +2,7 @@
 
 Every breakable op (with any ``getitem`` users of its result) becomes a piece of its own,
 run eagerly between the compiled pieces around it; non-breakable ops stay inside pieces.
+``gather_prefix_chunk`` is always a split point: it reads the chunk plan on the host.
 The split keeps the original node order, so each piece reads like the model's code.
 """
 
@@ -16,6 +17,15 @@ from torch.fx.passes.split_module import split_module
 
 from fullcg.passes.attributes import attention_nodes, is_breakable, node_attribute
 
+import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
+
+# Ops that always run eagerly between pieces: their implementations read per-step host data.
+_ALWAYS_SPLIT = (torch.ops.fullcg.gather_prefix_chunk, torch.ops.fullcg.gather_prefix_chunk.default)
+
+
+def _is_split_point(node: torch.fx.Node) -> bool:
+    return is_breakable(node) or (node.op == "call_function" and node.target in _ALWAYS_SPLIT)
+
 __all__ = ["Piece", "SplitGraph", "split_graph"]
 
 
@@ -25,7 +35,7 @@ class Piece:
 
     name: str  # attribute name on the split graph module (``submod_<i>``)
     graph_module: torch.fx.GraphModule
-    breakable: bool  # a breakable attention op, run eagerly
+    breakable: bool  # a split point (breakable attention or a prefix-chunk gather), run eagerly
 
     def attention_summary(self) -> list[str]:
         """One line per attention node inside: op and attributes."""
@@ -58,7 +68,7 @@ def split_graph(gm: torch.fx.GraphModule) -> SplitGraph:
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if is_breakable(node):
+        if _is_split_point(node):
             current += 1
             piece_of[node] = current
             breakable_ids.add(current)

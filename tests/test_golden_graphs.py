@@ -1,0 +1,88 @@
+"""Golden graphs: how the split pass cuts a two-layer model (expecttest; EXPECTTEST_ACCEPT=1 rewrites)."""
+
+from __future__ import annotations
+
+import re
+
+import expecttest
+import torch
+
+import fullcg
+from fullcg.models.generate import Scheduler
+from fullcg.models.llama import LlamaConfig, LlamaModel
+from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES
+from fullcg.passes import AttributesPass, BreakablePass, PassManager, split_graph
+
+
+def _dynamo_graph(chunked_prefix: bool) -> torch.fx.GraphModule:
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = LlamaModel(LlamaConfig.tiny(chunked_prefix=chunked_prefix))
+    model.allocate_kv_cache(8, 4)
+    sched = Scheduler([[1, 2, 3, 4, 5]], 1, num_pages=8, page_size=4, prefill_chunk=3)
+    sched.commit(sched.next_step(), torch.zeros(3, 256))  # the prompt's first 3 tokens are now cached
+    step = sched.next_step()  # extend: 2 new tokens on a prefix of 3, one prefix chunk
+    with fullcg.forward_context(step.metadata, model), torch.inference_mode():
+        torch.compile(model, backend=keep)(step.input_ids, step.positions)
+    return graphs[0]
+
+
+def _describe(gm: torch.fx.GraphModule) -> str:
+    """Pieces in call order, what each holds, and every fullcg node with its attributes."""
+    PassManager([AttributesPass(fullcg.SkipSoftmaxConfig(64.0, 4.0)), BreakablePass(True)])(gm.graph)
+    split = split_graph(gm)
+    lines = []
+    for piece in split.pieces:
+        fullcg_nodes = [
+            n for n in piece.graph_module.graph.nodes if n.op == "call_function" and str(n.target).startswith("fullcg.")
+        ]
+        kind = "breakable" if piece.breakable else "compiled"
+        lines.append(f"{piece.name} [{kind}]")
+        for n in fullcg_nodes:
+            if n.target in ATTENTION_OPS.values():
+                attrs = ", ".join(f"{k}={v}" for k, v in zip(ATTRIBUTE_NAMES, n.args[4:]))
+            else:
+                attrs = ", ".join("%" if isinstance(a, torch.fx.Node) else str(a) for a in n.args)
+            lines.append(f"  {n.target}({attrs})")
+    return re.sub(r"\bs\d+\b", "s", "\n".join(lines))
+
+
+class TestGoldenSplit(expecttest.TestCase):
+    def test_two_layer_model_splits_at_each_attention(self):
+        self.assertExpectedInline(_describe(_dynamo_graph(chunked_prefix=False)), """\
+submod_0 [compiled]
+submod_1 [breakable]
+  fullcg.breakable_attention.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True)
+submod_2 [compiled]
+submod_3 [breakable]
+  fullcg.breakable_attention.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True)
+submod_4 [compiled]""")
+
+    def test_chunked_prefix_model_splits_at_attention_and_gather_and_keeps_merge_inside(self):
+        self.assertExpectedInline(_describe(_dynamo_graph(chunked_prefix=True)), """\
+submod_0 [compiled]
+submod_1 [breakable]
+  fullcg.breakable_attention_with_lse.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True)
+submod_2 [compiled]
+submod_3 [breakable]
+  fullcg.gather_prefix_chunk.default(%, %, 0, 0)
+submod_4 [compiled]
+submod_5 [breakable]
+  fullcg.breakable_attention_with_lse.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=False, prefix_chunk=0, save_kv_cache=False)
+submod_6 [compiled]
+  fullcg.merge_attn_states.default(%, %, %, %, %, %)
+submod_7 [breakable]
+  fullcg.breakable_attention_with_lse.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True)
+submod_8 [compiled]
+submod_9 [breakable]
+  fullcg.gather_prefix_chunk.default(%, %, 1, 0)
+submod_10 [compiled]
+submod_11 [breakable]
+  fullcg.breakable_attention_with_lse.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=False, prefix_chunk=0, save_kv_cache=False)
+submod_12 [compiled]
+  fullcg.merge_attn_states.default(%, %, %, %, %, %)""")
