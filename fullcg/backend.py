@@ -49,9 +49,18 @@ def _compile_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence
         return PieceCall(name, gm)
     from torch._inductor.compile_fx import compile_fx
 
+    # Inductor wants graphs that return a tuple; a piece that returns one value is
+    # compiled returning (value,) and unwrapped at call time.
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    single = not isinstance(output.args[0], (tuple, list))
+    if single:
+        gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        output.args = ((output.args[0],),)
+        gm.recompile()
     # compile_fx called like this returns a plain (unboxed) callable, whatever its
     # copied-over `_boxed_call` attribute says.
-    return PieceCall(name, compile_fx(gm, list(example_inputs)))
+    return PieceCall(name, compile_fx(gm, list(example_inputs)), unwrap_single=single)
 
 
 class _PieceCompiler(torch.fx.Interpreter):
@@ -152,8 +161,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
         dump.graph("after_passes_full.py", full_gm)
         full_fn = _compile_piece("full", full_gm, example_inputs, config.compiler)
 
-    dump.write("split_report.txt", split_report(config, str(device), uuid, split, full_gm))
+    report = split_report(config, str(device), uuid, split, full_gm)
+    dump.write("split_report.txt", report)
     runner = StepRunner(config, piecewise=piecewise_fn, full=full_fn, device=device)
+    runner.report = report
     if dump.enabled:
 
         def write_decompiled() -> None:
@@ -173,6 +184,8 @@ class Backend:
     def __init__(self, config: FullCGConfig | None = None, **options: Any) -> None:
         base = config if config is not None else FullCGConfig.from_env()
         self.config = base.replace(**options) if options else base
+        #: One runner per graph compiled through this backend (each has a ``report``).
+        self.runners: list[StepRunner] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:
         options = kwargs.pop("options", None)
@@ -192,7 +205,9 @@ class Backend:
                     f"unknown fullcg option(s) {unknown}; valid options: {sorted(FullCGConfig.__dataclass_fields__)}"
                 )
             config = config.replace(**options)
-        return compile_graph(gm, example_inputs, config)
+        runner = compile_graph(gm, example_inputs, config)
+        self.runners.append(runner)
+        return runner
 
 
 def fullcg_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:

@@ -38,12 +38,14 @@ def reset_graph_mode_counts() -> None:
 class PieceCall:
     """Calls one compiled piece (or the full graph); CUDA-graph capture wraps this call path."""
 
-    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], *, unwrap_single: bool = False) -> None:
         self.name = name
         self.fn = fn
+        self.unwrap_single = unwrap_single
 
     def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
+        out = self.fn(*args)
+        return out[0] if self.unwrap_single else out
 
     def __repr__(self) -> str:
         return f"PieceCall({self.name})"
@@ -67,6 +69,8 @@ class StepRunner:
         self.full = full
         self.device = device
         self.on_first_call: Callable[[], None] | None = None
+        #: The split report of the graph this runner runs (see fullcg.debug.split_report).
+        self.report = ""
 
     def choose(self) -> str:
         """``"full"`` or ``"piecewise"`` for the current step."""
