@@ -3,32 +3,41 @@
 The public surface:
 
 - :class:`Attention`: the layer a decoder uses for attention;
+- :class:`Backend`: the compile backend, configured (``backend="fullcg"`` also works);
 - :func:`forward_context`, :class:`AttentionMetadata`, :class:`ForwardMode`: per-step data;
 - :class:`KVCache`: a layer's paged KV cache;
 - :class:`FullCGConfig`, :class:`SkipSoftmaxConfig`: configuration;
 - :func:`merge_attn_states`: exact merge of two partial attention results by LSE;
-- :func:`skip_softmax_stats`, :func:`reset_skip_softmax_stats`: skip-softmax counters.
+- :func:`skip_softmax_stats`, :func:`reset_skip_softmax_stats`: skip-softmax counters;
+- :func:`capture`: capture CUDA graphs for every capture size up front;
+- :func:`graph_mode_counts`: how compiled steps ran (full/piecewise, captured/eager).
 
 Importing fullcg registers the ``torch.ops.fullcg`` ops.
 """
 
+from fullcg.backend import Backend
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig
 from fullcg.context import AttentionMetadata, ForwardMode, forward_context, get_forward_context
 from fullcg.kv_cache import KVCache
 from fullcg.layer import Attention
 from fullcg.ops import merge_attn_states
+from fullcg.runner import capture, graph_mode_counts, reset_graph_mode_counts
 from fullcg.telemetry import SkipSoftmaxStats, reset_skip_softmax_stats, skip_softmax_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Attention",
+    "Backend",
     "AttentionMetadata",
     "ForwardMode",
     "FullCGConfig",
     "KVCache",
     "SkipSoftmaxConfig",
     "SkipSoftmaxStats",
+    "capture",
+    "graph_mode_counts",
+    "reset_graph_mode_counts",
     "forward_context",
     "get_forward_context",
     "merge_attn_states",

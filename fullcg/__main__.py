@@ -31,10 +31,9 @@ def demo(args: argparse.Namespace) -> int:
         print("error: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    config = fullcg.FullCGConfig.from_env(
-        graph_mode=args.graph_mode, compiler=args.compiler, attention_impl=args.attention_impl,
-        **({"dump_dir": args.dump_dir} if args.dump_dir else {}),
-    )
+    given = {"graph_mode": args.graph_mode, "compiler": args.compiler, "attention_impl": args.attention_impl,
+             "dump_dir": args.dump_dir}
+    config = fullcg.FullCGConfig.from_env(**{k: v for k, v in given.items() if v is not None})  # flags over env
     model_cfg = LlamaConfig.tiny(chunked_prefix=args.chunked_prefix)
     eager = LlamaModel(model_cfg, seed=0, device=device)
     compiled_model = copy.deepcopy(eager)
@@ -87,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run the tiny model compiled with fullcg and check it against eager")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--graph-mode", default="full_and_piecewise", choices=GRAPH_MODES)
-    p.add_argument("--compiler", default="inductor", choices=COMPILERS)
-    p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--graph-mode", choices=GRAPH_MODES, help="default: FULLCG_GRAPH_MODE or full_and_piecewise")
+    p.add_argument("--compiler", choices=COMPILERS, help="default: FULLCG_COMPILER or inductor")
+    p.add_argument("--attention-impl", help="reference, triton, flashinfer or auto (default: FULLCG_ATTENTION_IMPL or auto)")
     p.add_argument("--chunked-prefix", action="store_true", help="attend with the chunked-prefix pattern")
     p.add_argument("--max-new-tokens", type=int, default=5)
     p.add_argument("--dump-dir", default=None, help="write graph dumps and the split report here")

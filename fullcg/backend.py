@@ -22,12 +22,16 @@ from typing import Any
 import torch
 import torch.fx
 
+import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 from fullcg.config import FullCGConfig
+from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
 from fullcg.runner import PieceCall, StepRunner
 
 __all__ = ["Backend", "fullcg_backend"]
+
+GATHER_OPS = (torch.ops.fullcg.gather_prefix_chunk, torch.ops.fullcg.gather_prefix_chunk.default)
 
 logger = logging.getLogger(__name__)
 _warned_cpu = False
@@ -90,6 +94,40 @@ def _fake_inputs(fake_mode: Any, example_inputs: Sequence[Any]) -> list[Any]:
     return [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
 
+def _token_layout(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, device: torch.device
+) -> tuple[InputStager | None, tuple[bool, ...] | None]:
+    """Which inputs and outputs carry the (symbolic) token dimension, and persistent
+    buffers for the inputs, sized for the largest capture size."""
+    if device.type != "cuda" or config.graph_mode == "none":
+        return None, None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    token_args, size_args, buffers = [], [], {}
+    for i, (node, real) in enumerate(zip(placeholders, example_inputs)):
+        fake = node.meta.get("example_value")
+        if isinstance(real, torch.SymInt) or isinstance(fake, torch.SymInt):
+            size_args.append(i)
+        elif isinstance(fake, torch.Tensor) and fake.dim() >= 1 and isinstance(fake.shape[0], torch.SymInt):
+            if any(isinstance(d, torch.SymInt) for d in fake.shape[1:]):
+                return None, None  # more than one dynamic dimension: not a token layout we can pad
+            token_args.append(i)
+            buffers[i] = torch.zeros(
+                (config.sizes_to_capture[-1], *fake.shape[1:]), dtype=fake.dtype, device=real.device
+            )
+    if not token_args:
+        return None, None
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    token_outputs = tuple(
+        isinstance(o, torch.fx.Node)
+        and isinstance(v := o.meta.get("example_value"), torch.Tensor)
+        and v.dim() >= 1
+        and isinstance(v.shape[0], torch.SymInt)
+        for o in outs
+    )
+    return InputStager(token_args, size_args, buffers), token_outputs
+
+
 def _variant_graph(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.GraphModule:
     graph = copy.deepcopy(gm.graph)
     manager(graph)
@@ -146,10 +184,16 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
         with fake_mode:
             compiler.run(*_fake_inputs(fake_mode, example_inputs))
         runnable = split.graph_module
-        for name, call in compiler.calls.items():
+        captures = device.type == "cuda" and config.graph_mode != "none"
+        for piece in split.pieces:
+            call: Any = compiler.calls[piece.name]
+            if captures:
+                call = BridgedPiece(piece.name, call) if piece.breakable else CapturedPiece(
+                    piece.name, call, device, config.debug_graph_inputs
+                )
             # A plain attribute, not a child module: the per-step path skips nn.Module.__call__.
-            del runnable._modules[name]
-            runnable.__dict__[name] = call
+            del runnable._modules[piece.name]
+            runnable.__dict__[piece.name] = call
         piecewise_fn = runnable
         logger.info("fullcg: piecewise graph: %d pieces (%d breakable attention)",
                     len(split.pieces), sum(p.breakable for p in split.pieces))
@@ -163,7 +207,11 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
 
     report = split_report(config, str(device), uuid, split, full_gm)
     dump.write("split_report.txt", report)
-    runner = StepRunner(config, piecewise=piecewise_fn, full=full_fn, device=device)
+    stager, token_outputs = _token_layout(gm, example_inputs, config, device)
+    runner = StepRunner(
+        config, piecewise=piecewise_fn, full=full_fn, device=device, stager=stager, token_outputs=token_outputs,
+        full_capturable=not any(n.op == "call_function" and n.target in GATHER_OPS for n in gm.graph.nodes),
+    )
     runner.report = report
     if dump.enabled:
 
@@ -175,6 +223,13 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
     return runner
 
 
+def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(options) - set(FullCGConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"unknown fullcg option(s) {unknown}; valid options: {sorted(FullCGConfig.__dataclass_fields__)}")
+    return dict(options)
+
+
 class Backend:
     """The fullcg compile backend, configured: ``torch.compile(model, backend=fullcg.Backend(config))``.
 
@@ -183,7 +238,7 @@ class Backend:
 
     def __init__(self, config: FullCGConfig | None = None, **options: Any) -> None:
         base = config if config is not None else FullCGConfig.from_env()
-        self.config = base.replace(**options) if options else base
+        self.config = base.replace(**_checked_options(options)) if options else base
         #: One runner per graph compiled through this backend (each has a ``report``).
         self.runners: list[StepRunner] = []
 
@@ -197,14 +252,7 @@ class Backend:
                 f"torch.compile(mode={mode!r}) does not apply to the fullcg backend; "
                 "choose CUDA-graph behaviour with options={'graph_mode': ...}"
             )
-        config = self.config
-        if options:
-            unknown = sorted(set(options) - set(FullCGConfig.__dataclass_fields__))
-            if unknown:
-                raise ValueError(
-                    f"unknown fullcg option(s) {unknown}; valid options: {sorted(FullCGConfig.__dataclass_fields__)}"
-                )
-            config = config.replace(**options)
+        config = self.config.replace(**_checked_options(options)) if options else self.config
         runner = compile_graph(gm, example_inputs, config)
         self.runners.append(runner)
         return runner

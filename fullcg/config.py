@@ -17,6 +17,9 @@ __all__ = [
     "ENV_SKIP_SOFTMAX_PREFILL",
     "ENV_SKIP_SOFTMAX_DECODE",
     "ENV_ATTENTION_IMPL",
+    "ENV_GRAPH_MODE",
+    "ENV_COMPILER",
+    "ENV_DUMP_DIR",
     "ATTENTION_IMPLS",
     "SkipSoftmaxConfig",
     "FullCGConfig",
@@ -165,6 +168,8 @@ class FullCGConfig:
         capture_on_compile: capture every size right after compiling (else lazily, the
             first time a size is used).
         dump_dir: where to write graph dumps and the split report; None = no dumps.
+        debug_graph_inputs: check on every replay that captured pieces read their inputs
+            from the addresses they were captured with (a debugging aid; costs host time).
     """
 
     attention_impl: str = "auto"
@@ -175,11 +180,13 @@ class FullCGConfig:
     max_capture_size: int = 256
     capture_on_compile: bool = False
     dump_dir: str | None = None
+    debug_graph_inputs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
             raise ValueError(
-                f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}"
+                f"attention_impl must name an implementation ({', '.join(ATTENTION_IMPLS)} or a registered one), "
+                f"got {self.attention_impl!r}"
             )
         if not isinstance(self.skip_softmax, SkipSoftmaxConfig):
             if isinstance(self.skip_softmax, Mapping):
@@ -225,15 +232,6 @@ class FullCGConfig:
                 overrides[field] = env[var].strip()
         return cls(**overrides)
 
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> FullCGConfig:
-        """Build from ``torch.compile(..., options={...})``: field names, over the environment."""
-        options = dict(options or {})
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - fields)
-        if unknown:
-            raise ValueError(f"unknown fullcg option(s) {unknown}; valid options: {sorted(fields)}")
-        return cls.from_env(**options)
 
     def replace(self, **changes: Any) -> FullCGConfig:
         return dataclasses.replace(self, **changes)

@@ -85,10 +85,15 @@ def split_report(
         compiled = sum(not p.breakable for p in split.pieces)
         lines.append(
             f"piecewise variant: {len(split.pieces)} pieces ({compiled} compiled, "
-            f"{len(split.pieces) - compiled} breakable attention run eagerly)"
+            f"{len(split.pieces) - compiled} split points run eagerly)"
         )
         for piece in split.pieces:
-            kind = "breakable attention (eager, split point)" if piece.breakable else "compiled piece"
+            if not piece.breakable:
+                kind = "compiled piece"
+            elif piece.attention_summary():
+                kind = "breakable attention (eager, split point)"
+            else:
+                kind = "prefix-chunk gather (eager, split point)"
             ops = sum(1 for n in piece.graph_module.graph.nodes if n.op == "call_function")
             lines.append(f"  {piece.name}: {kind}, {ops} ops")
             lines += [f"    {s}" for s in piece.attention_summary()]

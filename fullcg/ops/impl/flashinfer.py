@@ -48,6 +48,7 @@ from fullcg.context import AttentionMetadata, ForwardContext
 from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
+from fullcg.ops.impl.reference import save_new_kv_padded
 
 __all__ = ["FlashInferAttention", "WORKSPACE_BYTES", "DENSE_BACKEND"]
 
@@ -177,6 +178,8 @@ class FlashInferAttention:
 
     name = "flashinfer"
     capture_safe = True
+    #: Plain-torch save shared with the triton implementation: no host sync, padding skipped.
+    save_kv = staticmethod(save_new_kv_padded)
 
     def __init__(self) -> None:
         self._workspaces: dict[torch.device, torch.Tensor] = {}
@@ -383,23 +386,6 @@ class FlashInferAttention:
         return factors.pop()
 
     # ------------------------------------------------------------------ running
-
-    def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
-        """Write the new tokens' k/v to ``metadata.slot_mapping``; slots < 0 (padding) are skipped.
-
-        CUDA-graph safe: no host sync, shapes fixed by ``slot_mapping``. A padding row is
-        redirected to token 0's slot with token 0's values, so the duplicate write stores the
-        same bytes and ``index_copy_`` stays deterministic (token 0 is always a real token).
-        """
-        slots = ctx.metadata.slot_mapping.to(cache.k.device)
-        n = slots.shape[0]
-        rows = torch.arange(n, device=slots.device)
-        src = torch.where(slots >= 0, rows, torch.zeros_like(rows))
-        dst = slots[src]
-        flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
-        flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
-        flat_k.index_copy_(0, dst, call.k[:n][src].to(cache.k.dtype))
-        flat_v.index_copy_(0, dst, call.v[:n][src].to(cache.v.dtype))
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""

@@ -23,7 +23,7 @@ from fullcg.context import AttentionMetadata, ForwardContext
 from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
-from fullcg.ops.impl.reference import save_kv
+from fullcg.ops.impl.reference import save_new_kv_padded
 from fullcg.ops.kernels import decode_attention, prefill_attention
 
 __all__ = ["TritonAttention"]
@@ -79,6 +79,8 @@ class TritonAttention:
     """Skip-softmax attention in Triton; see the module docstring."""
 
     name = "triton"
+    capture_safe = True
+    save_kv = staticmethod(save_new_kv_padded)
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""
@@ -87,9 +89,6 @@ class TritonAttention:
         cfg = ctx.config.skip_softmax
         q, out = call.q, call.out
         dev = q.device
-        num_tokens = md.num_tokens
-        if cache is not None:
-            save_kv(cache, call.k[:num_tokens], call.v[:num_tokens], md.slot_mapping.to(dev))
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=dev)
         qloc = md.query_start_loc.to(dev)
         is_decode = md.is_decode.to(dev)
@@ -118,8 +117,12 @@ class TritonAttention:
                 max_kv_len = q.shape[0]
             source = dict(kv_start_loc=kv_loc)
 
-        modes = md.forward_modes
-        if not all(m.is_decode for m in modes):
+        # Which kernels to launch is a host decision on the batch's modes. A CUDA graph
+        # captured for a batch that is not decode-only may be replayed for any mix, so it
+        # holds both kernels (each skips the other's requests on the device).
+        decode_only = md.is_decode_only
+        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not decode_only:
             prefill_attention(
                 q, k, v, out, lse, counters,
                 query_start_loc=qloc, is_decode=is_decode, scale=call.scale, causal=causal,
@@ -127,17 +130,20 @@ class TritonAttention:
                 prefix_lens=md.prefix_lens_tensor.to(dev) if cache is not None else None,
                 **source,
             )
-        if any(m.is_decode for m in modes):
+        if decode_only or capturing or any(m.is_decode for m in md.forward_modes):
             decode_attention(
                 q, k, v, out, lse, counters,
                 query_start_loc=qloc, is_decode=is_decode, scale=call.scale, factor=decode_factor,
                 tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
                 **source,
             )
-        # Padding rows (CUDA-graph padding) are zeroed so they never carry NaN or Inf.
-        if num_tokens < out.shape[0]:
-            out[num_tokens:] = 0
-        return lse if call.return_lse else None
+        # Padding rows (CUDA-graph padding) are zeroed so they never carry NaN or Inf; the
+        # real token count is read on the device, so a replay with another count is right.
+        dead = torch.arange(out.shape[0], device=dev) >= md.num_tokens_tensor.to(dev)
+        out.masked_fill_(dead[:, None, None], 0)
+        if not call.return_lse:
+            return None
+        return lse.masked_fill_(dead[:, None], float("-inf"))
 
 
 register_implementation(TritonAttention())

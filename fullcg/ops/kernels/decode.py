@@ -13,6 +13,8 @@ request's own split count exit at once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,13 @@ _LOG2E = 1.4426950408889634
 #: Tiles per split for dense decode when the config sets no split (dense results do not
 #: depend on the split, so the kernel picks one that fills the GPU).
 DENSE_SPLIT_TILES = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -196,8 +205,15 @@ def decode_attention(
         raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
     max_tiles = max(1, triton.cdiv(max_kv_len, tile_kv))
     if split_tiles is None:
-        # Skipping without a configured split: one run over all keys, as the reference walks them.
-        split_tiles = triton.next_power_of_2(max_tiles) if skip else DENSE_SPLIT_TILES
+        if skip:
+            # Skipping without a configured split: one run over all keys, as the reference walks them.
+            split_tiles = triton.next_power_of_2(max_tiles)
+        else:
+            # Dense: enough splits to give every SM work even at batch 1 (a small batch
+            # with few KV heads would otherwise leave most of the GPU idle), at most
+            # DENSE_SPLIT_TILES tiles each. Sized from shapes only: CUDA-graph safe.
+            wanted = max(1, triton.cdiv(2 * _sm_count(q.device), num_kv_heads * max(1, num_requests)))
+            split_tiles = min(DENSE_SPLIT_TILES, triton.next_power_of_2(triton.cdiv(max_tiles, wanted)))
     # A split longer than any request is one run over all keys: cap it so the constexpr
     # (and the compiled variant) does not change with the cache size.
     split_tiles = min(split_tiles, triton.next_power_of_2(max_tiles))

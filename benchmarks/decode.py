@@ -1,0 +1,229 @@
+"""Decode step latency of a Llama-3-8B-shaped model: eager vs the gpt-fast peer vs fullcg.
+
+    python benchmarks/decode.py --out results.json
+
+One process, one GPU, everything measured side by side: the same weights (random bf16,
+seeded), the same batches. For each batch size and context length it reports the median
+step time over ``--repeats`` of
+
+- ``eager``: the model uncompiled (fullcg.Attention with the chosen implementation);
+- ``peer``: gpt-fast style static KV cache + SDPA under ``torch.compile(mode="reduce-overhead")``;
+- ``piecewise`` and ``full``: ``torch.compile(model, backend="fullcg")`` in those graph modes;
+
+plus the bandwidth floor (weights + KV bytes read per step over measured copy bandwidth),
+compile and capture times, graph pool memory, and prefill / mixed step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+import fullcg
+from fullcg.models.llama import LlamaConfig, LlamaModel
+
+PAGE = 16
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read plus written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def time_ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events), after warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def decode_metadata(batch: int, context: int, device: torch.device) -> fullcg.AttentionMetadata:
+    pages = math.ceil((context + 1) / PAGE)
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    return fullcg.AttentionMetadata.build([1] * batch, [context] * batch, table, PAGE, device=device)
+
+
+def prefill_metadata(lens: list[int], prefixes: list[int], device: torch.device) -> fullcg.AttentionMetadata:
+    pages = [math.ceil((q + p) / PAGE) for q, p in zip(lens, prefixes)]
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(pages):
+        table[r, :n] = torch.arange(start, start + n)
+        start += n
+    return fullcg.AttentionMetadata.build(lens, prefixes, table, PAGE, device=device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3_8b", choices=["tiny", "mid", "llama3_8b"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--peer-batches", type=int, nargs="+", default=[1, 64], help="peer recompiles per shape")
+    ap.add_argument("--capture-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
+    ap.add_argument("--impl", default="triton", help="attention implementation for eager and fullcg")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", default=None, help="write all figures as JSON here")
+    args = ap.parse_args()
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    results: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "args": vars(args)}
+    bw = copy_bandwidth(dev)
+    results["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"{results['gpu']}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+
+    cfg = LlamaConfig.preset(args.model)
+    model = LlamaModel(cfg, seed=0, dtype=torch.bfloat16, device=dev).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    max_b, max_ctx = max(args.batches), max(args.contexts)
+    num_pages = max_b * math.ceil((max_ctx + 1) / PAGE) + 8
+    model.allocate_kv_cache(num_pages, PAGE)
+    for layer in model.attention_layers():
+        layer.kv_cache.k.normal_()
+        layer.kv_cache.v.normal_()
+    kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+
+    def floor_ms(batch: int, context: int) -> float:
+        return (weight_bytes + batch * (context + 1) * kv_token_bytes) / bw * 1e3
+
+    base = fullcg.FullCGConfig(attention_impl=args.impl, capture_sizes=tuple(args.capture_sizes))
+    points = [(b, c) for c in args.contexts for b in args.batches]
+    table: dict[tuple[int, int], dict[str, float]] = {p: {"floor": floor_ms(*p)} for p in points}
+
+    def step_fn(fn, batch, context, config):
+        md = decode_metadata(batch, context, dev)
+        ids = torch.randint(0, cfg.vocab_size, (batch,), device=dev)
+        pos = torch.full((batch,), context, dtype=torch.long, device=dev)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+
+        def run():
+            with fullcg.forward_context(md, model, config=config):
+                return fn(ids, pos)
+
+        return run
+
+    with torch.inference_mode():
+        for b, c in points:
+            table[(b, c)]["eager"] = time_ms(step_fn(model, b, c, base), args.repeats)
+        print("eager done", flush=True)
+
+        for mode in ["piecewise", "full"]:
+            torch._dynamo.reset()
+            config = base.replace(graph_mode=mode)
+            backend = fullcg.Backend(config)
+            compiled = torch.compile(model, backend=backend)
+            before = torch.cuda.memory_reserved(dev)
+            t0 = time.perf_counter()
+            step_fn(compiled, 1, 16, config)()  # compile + capture of size 1
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            md = decode_metadata(1, 16, dev)
+            ids = torch.zeros(1, dtype=torch.long, device=dev)
+            fullcg.capture(compiled, md, model, ids, ids)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            results[f"{mode}_compile_plus_first_capture_s"] = t1 - t0
+            results[f"{mode}_capture_all_s"] = t2 - t1
+            results[f"{mode}_graph_pool_GiB"] = (torch.cuda.memory_reserved(dev) - before) / 2**30
+            print(f"{mode}: compile + first capture {t1 - t0:.1f} s, capture of {len(args.capture_sizes)} sizes "
+                  f"{t2 - t1:.1f} s, +{results[f'{mode}_graph_pool_GiB']:.2f} GiB", flush=True)
+            fullcg.reset_graph_mode_counts()
+            for b, c in points:
+                table[(b, c)][mode] = time_ms(step_fn(compiled, b, c, config), args.repeats)
+            results[f"{mode}_steps"] = dict(fullcg.graph_mode_counts())
+
+            if mode == "piecewise":  # prefill and mixed steps, piecewise vs eager
+                for name, lens, prefixes in [
+                    ("prefill 4x512", [512] * 4, [0] * 4),
+                    ("mixed 1x32 extend + 31 decode", [32] + [1] * 31, [256] * 32),
+                ]:
+                    md = prefill_metadata(lens, prefixes, dev)
+                    n = sum(lens)
+                    ids = torch.randint(0, cfg.vocab_size, (n,), device=dev)
+                    pos = torch.cat([torch.arange(p, p + q) for q, p in zip(lens, prefixes)]).to(dev)
+
+                    def run(fn, cfg_=config):
+                        with fullcg.forward_context(md, model, config=cfg_):
+                            return fn(ids, pos)
+
+                    results[f"{name}: eager ms"] = time_ms(lambda: run(model, base), args.repeats)
+                    results[f"{name}: piecewise ms"] = time_ms(lambda: run(compiled), args.repeats)
+                    print(f"{name}: eager {results[f'{name}: eager ms']:.2f} ms, "
+                          f"piecewise {results[f'{name}: piecewise ms']:.2f} ms", flush=True)
+            del compiled, backend
+
+        # The peer needs its own static cache; free ours first.
+        for layer in model.attention_layers():
+            layer.kv_cache = None
+        torch.cuda.empty_cache()
+        from peer import PeerDecoder
+
+        for c in args.contexts:
+            for b in args.peer_batches:
+                torch._dynamo.reset()
+                peer = PeerDecoder(model, b, c + 16)
+                peer.fill_random()
+                compiled_peer = torch.compile(peer, mode="reduce-overhead", fullgraph=True)
+                ids = torch.randint(0, cfg.vocab_size, (b,), device=dev)
+                pos = torch.full((b,), c, dtype=torch.long, device=dev)
+                t0 = time.perf_counter()
+                compiled_peer(ids, pos)
+                compiled_peer(ids, pos)
+                torch.cuda.synchronize()
+                results.setdefault("peer_compile_s", []).append(time.perf_counter() - t0)
+                table[(b, c)]["peer"] = time_ms(lambda: compiled_peer(ids, pos), args.repeats)
+                del peer, compiled_peer
+                torch.cuda.empty_cache()
+        print("peer done", flush=True)
+
+    rows = []
+    header = "| batch | context | floor | eager | peer | piecewise | full | full / floor | full vs peer | piecewise / full |"
+    print(header)
+    print("|" + "---|" * 10)
+    for (b, c), t in table.items():
+        peer = t.get("peer")
+        line = (
+            f"| {b} | {c} | {t['floor']:.2f} | {t['eager']:.2f} | {peer:.2f} | " if peer else
+            f"| {b} | {c} | {t['floor']:.2f} | {t['eager']:.2f} | - | "
+        )
+        line += (
+            f"{t['piecewise']:.2f} | {t['full']:.2f} | {t['floor'] / t['full']:.0%} | "
+            + (f"{peer / t['full']:.2f}x | " if peer else "- | ")
+            + f"{t['piecewise'] / t['full']:.2f} |"
+        )
+        print(line)
+        rows.append({"batch": b, "context": c, **t})
+    results["decode_ms"] = rows
+    print(json.dumps({k: v for k, v in results.items() if k != "decode_ms"}, indent=1, default=str))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""CUDA graph capture and replay, per capture size.
+
+A step of ``n`` tokens runs captured when ``n`` is at most the largest capture size: it is
+padded up to the next size ``S``, its token inputs are copied into persistent buffers,
+and the graphs captured for ``S`` are replayed. All graphs share one memory pool.
+
+- Piecewise: every compiled piece is a :class:`CapturedPiece` with one graph per size;
+  split points (breakable attention, prefix gathers) run eagerly between them with the
+  step's real metadata, and their outputs are copied into fixed *bridge* buffers so the
+  next piece always reads the same addresses.
+- Full: the whole step is one graph per ``(S, decode-only)``. Attention runs inside it,
+  so it reads per-step metadata from :class:`StaticMetadata` buffers that are refilled
+  before each replay (and the implementation's ``plan`` runs first, outside capture).
+
+Outputs are views of static buffers: valid until the next step of the same size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fullcg.context import AttentionMetadata, ForwardMode
+
+__all__ = ["CapturedPiece", "BridgedPiece", "StaticMetadata", "InputStager", "padded_size", "capture_graph"]
+
+logger = logging.getLogger(__name__)
+
+# The capture size of the step being run captured; pieces read it (None: run uncaptured).
+_active_size: int | None = None
+_pools: dict[torch.device, Any] = {}
+
+
+def active_size() -> int | None:
+    return _active_size
+
+
+def set_active_size(size: int | None) -> None:
+    global _active_size
+    _active_size = size
+
+
+def graph_pool(device: torch.device) -> Any:
+    """One memory pool per device, shared by every captured graph."""
+    pool = _pools.get(device)
+    if pool is None:
+        pool = _pools[device] = torch.cuda.graph_pool_handle()
+    return pool
+
+
+def padded_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
+    """The smallest capture size >= ``num_tokens``; None when the batch is too large."""
+    i = bisect.bisect_left(sizes, num_tokens)
+    return sizes[i] if i < len(sizes) else None
+
+
+def _tensor_ptrs(values: Sequence[Any]) -> tuple[int, ...]:
+    return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else -1 for v in values)
+
+
+@dataclasses.dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    output: Any
+    input_ptrs: tuple[int, ...]
+
+
+def capture_graph(fn: Callable[..., Any], args: Sequence[Any], device: torch.device) -> Captured:
+    """Warm ``fn`` up once, then capture it in the shared pool (the capture does not compute)."""
+    fn(*args)  # first runs allocate workspaces, pick kernels, JIT-compile: never inside a capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=graph_pool(device)):
+        output = fn(*args)
+    return Captured(graph, output, _tensor_ptrs(args))
+
+
+class CapturedPiece:
+    """A compiled piece with one CUDA graph per capture size, captured on first use."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], device: torch.device, check_inputs: bool) -> None:
+        self.name = name
+        self.fn = fn
+        self.device = device
+        self.check_inputs = check_inputs
+        self.graphs: dict[int, Captured] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        size = _active_size
+        if size is None:
+            return self.fn(*args)
+        entry = self.graphs.get(size)
+        if entry is None:
+            entry = self.graphs[size] = capture_graph(self.fn, args, self.device)
+        elif self.check_inputs and _tensor_ptrs(args) != entry.input_ptrs:
+            raise RuntimeError(
+                f"fullcg: the inputs of captured piece {self.name} (size {size}) moved since capture; "
+                "the graph would read stale memory"
+            )
+        entry.graph.replay()
+        return entry.output
+
+
+class BridgedPiece:
+    """A split point run eagerly; in captured steps its tensor outputs are copied into fixed
+    per-size buffers, so the captured piece after it reads the same addresses every time."""
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        self.name = name
+        self.fn = fn
+        self.bridges: dict[int, Any] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        size = _active_size
+        if size is None or out is None:
+            return out
+        bridge = self.bridges.get(size)
+        if bridge is None:
+            bridge = self.bridges[size] = _map_tensors(out, lambda t: t.clone())
+        else:
+            _copy_into(bridge, out)
+        return bridge
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+class InputStager:
+    """Copies a step's token inputs into persistent buffers of the largest capture size.
+
+    ``token_args`` are the positions of tensor inputs whose first dimension is the token
+    count; ``size_args`` the positions of symbolic-int inputs (that count, as an int).
+    Other inputs (weights) already live at fixed addresses.
+    """
+
+    def __init__(self, token_args: list[int], size_args: list[int], buffers: dict[int, torch.Tensor]) -> None:
+        self.token_args = token_args
+        self.size_args = size_args
+        self.buffers = buffers
+
+    def num_tokens(self, args: Sequence[Any]) -> int | None:
+        if not self.token_args:
+            return None
+        n = args[self.token_args[0]].shape[0]
+        if any(args[i].shape[0] != n for i in self.token_args) or any(args[i] != n for i in self.size_args):
+            return None  # inputs with different token counts: not a shape this runner can pad
+        return n
+
+    def stage(self, args: Sequence[Any], n: int, size: int) -> list[Any]:
+        staged = list(args)
+        for i in self.token_args:
+            buf = self.buffers[i]
+            buf[:n].copy_(args[i])
+            staged[i] = buf[:size]
+        for i in self.size_args:
+            staged[i] = size
+        return staged
+
+    def dummy(self, args_like: Sequence[Any], size: int) -> list[Any]:
+        """Inputs of ``size`` tokens for capturing up front: the buffers as they are (zeros at first)."""
+        staged = list(args_like)
+        for i in self.token_args:
+            staged[i] = self.buffers[i][:size]
+        for i in self.size_args:
+            staged[i] = size
+        return staged
+
+
+class StaticMetadata:
+    """Metadata tensors at fixed addresses for one capture size, refilled before each replay.
+
+    Padded layout: the real requests first; then one-token stand-in requests (decode mode,
+    one key in page 0, never saved: slot -1) that own the padding tokens; then empty
+    requests. Host fields stay the real batch's, for implementations that plan on the host.
+    """
+
+    def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
+        self.size = size
+        # The int32 fields are views of one buffer: one host-to-device copy refills them all.
+        self._packed = torch.zeros(3 * size + 2, dtype=torch.int32, device=device)
+        self.query_start_loc = self._packed[: size + 1]
+        self.seq_lens = self._packed[size + 1 : 2 * size + 1]
+        self.prefix_lens = self._packed[2 * size + 1 : 3 * size + 1]
+        self.num_tokens = self._packed[3 * size + 1 :]
+        self.is_decode = torch.zeros(size, dtype=torch.bool, device=device)
+        self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+
+    def fill(self, md: AttentionMetadata) -> AttentionMetadata:
+        size, n, r = self.size, md.num_tokens, md.num_requests
+        width = md.page_table.shape[1]
+        if width > self.page_table.shape[1]:
+            raise ValueError(
+                f"a request's page table has {width} columns but captured graphs allow {self.page_table.shape[1]}"
+            )
+        pad_tokens = size - n
+        q_lens = list(md.query_lens) + [1] * pad_tokens + [0] * (size - r - pad_tokens)
+        qloc = [0]
+        for q in q_lens:
+            qloc.append(qloc[-1] + q)
+        seq = [q + p for q, p in zip(md.query_lens, md.prefix_lens)] + [1] * pad_tokens + [0] * (size - r - pad_tokens)
+        prefix = list(md.prefix_lens) + [0] * (size - r)
+        self._packed.copy_(torch.tensor(qloc + seq + prefix + [n], dtype=torch.int32))
+        decode = [m.is_decode for m in md.forward_modes] + [True] * pad_tokens + [False] * (size - r - pad_tokens)
+        self.is_decode.copy_(torch.tensor(decode, dtype=torch.bool))
+        self.page_table[:r, :width].copy_(md.page_table)
+        self.page_table[r:].zero_()
+        self.slot_mapping[:n].copy_(md.slot_mapping)
+        self.slot_mapping[n:].fill_(-1)
+        return dataclasses.replace(
+            md,
+            page_table=self.page_table,
+            slot_mapping=self.slot_mapping,
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            prefix_lens_tensor=self.prefix_lens,
+            is_decode=self.is_decode,
+            num_tokens_tensor=self.num_tokens,
+        )
+
+
+def dummy_metadata(size: int, decode_only: bool, page_size: int, device: torch.device) -> AttentionMetadata:
+    """A batch of ``size`` tokens that writes nothing to the cache (slots -1) and reads page 0."""
+    if decode_only:
+        md = AttentionMetadata.build(
+            [1] * size, [1] * size, torch.zeros(size, 1, dtype=torch.int32), page_size,
+            [ForwardMode.DECODE] * size, device=device,
+        )
+    else:
+        pages = -(-size // page_size)
+        md = AttentionMetadata.build([size], [0], torch.zeros(1, pages, dtype=torch.int32), page_size, device=device)
+    return dataclasses.replace(md, slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device))

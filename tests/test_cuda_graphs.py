@@ -1,0 +1,142 @@
+"""CUDA graphs on a GPU: every graph mode replays exactly what eager computes.
+
+Skipped without CUDA (CPU CI); run on a GPU with ``pytest -m cuda``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+import fullcg
+from fullcg.models.generate import Scheduler
+from fullcg.models.llama import LlamaConfig, LlamaModel
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA graphs)"),
+]
+
+IMPLS = ["triton"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
+# Prompt lengths change between steps, so replays see other lengths than their capture.
+PROMPTS = [list(range(3, 40)), list(range(50, 55)), list(range(60, 77)), [7] * 9]
+
+
+def _pair(size: str, chunked_prefix: bool = False, dtype=torch.bfloat16):
+    cfg = LlamaConfig.preset(size, chunked_prefix=chunked_prefix)
+    eager = LlamaModel(cfg, seed=0, dtype=dtype, device="cuda")
+    compiled = copy.deepcopy(eager)
+    for m in (eager, compiled):
+        m.allocate_kv_cache(num_pages=128, page_size=16)
+    return eager, compiled
+
+
+def _run(eager, model, compiled_fn, config, *, prefill_chunk=16, max_new_tokens=6):
+    scheds = [
+        Scheduler(PROMPTS, max_new_tokens, num_pages=128, page_size=16, prefill_chunk=prefill_chunk,
+                  prefix_chunk_tokens=32, device="cuda")
+        for _ in range(2)
+    ]
+    eager_config = config.replace(graph_mode="none")
+    worst, steps = 0.0, 0
+    with torch.inference_mode():
+        while (step := scheds[0].next_step()) is not None:
+            step_c = scheds[1].next_step()
+            with fullcg.forward_context(step.metadata, eager, config=eager_config):
+                want = eager(step.input_ids, step.positions).float()
+            with fullcg.forward_context(step_c.metadata, model, config=config):
+                got = compiled_fn(step_c.input_ids, step_c.positions).float()
+            scale = want.abs().max().item()
+            worst = max(worst, (want - got).abs().max().item() / scale)
+            steps += 1
+            scheds[0].commit(step, want)
+            scheds[1].commit(step_c, want)
+    return worst, steps
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full", "full_and_piecewise"])
+@pytest.mark.parametrize("size", ["tiny", "mid"])
+def test_every_graph_mode_matches_eager_with_changing_lengths(impl, graph_mode, size):
+    torch._dynamo.reset()
+    fullcg.reset_graph_mode_counts()
+    compiles = []
+    config = fullcg.FullCGConfig(attention_impl=impl, graph_mode=graph_mode, capture_sizes=(1, 2, 4, 8, 16, 32, 64),
+                                 debug_graph_inputs=True)
+    backend = fullcg.Backend(config)
+
+    def counting(gm, example_inputs, **kw):
+        compiles.append(gm)
+        return backend(gm, example_inputs, **kw)
+
+    eager, model = _pair(size)
+    worst, steps = _run(eager, model, torch.compile(model, backend=counting), config)
+    assert worst < 3e-2, f"relative difference {worst}"
+    counts = fullcg.graph_mode_counts()
+    captured = sum(v for k, v in counts.items() if k.endswith(":captured"))
+    assert captured == steps, counts  # every step fits a capture size: nothing ran uncaptured
+    if graph_mode == "full_and_piecewise":
+        assert counts["full:captured"] > 0 and counts["piecewise:captured"] > 0, counts
+    assert len(compiles) == 1, "no recompiles across steps"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_prefix_pattern_under_cuda_graphs(impl):
+    torch._dynamo.reset()
+    fullcg.reset_graph_mode_counts()
+    config = fullcg.FullCGConfig(attention_impl=impl, graph_mode="full_and_piecewise", capture_sizes=(1, 2, 4, 8, 16, 32, 64))
+    eager, model = _pair("tiny", chunked_prefix=True)
+    worst, _ = _run(eager, model, torch.compile(model, backend=fullcg.Backend(config)), config)
+    assert worst < 3e-2
+    counts = fullcg.graph_mode_counts()
+    assert counts["piecewise:captured"] > 0
+    # The full graph gathers prefix chunks on the host, so decode steps say they ran uncaptured.
+    assert counts["full:eager"] > 0 and counts["full:captured"] == 0, counts
+
+
+def test_batches_above_the_largest_capture_size_run_uncaptured():
+    torch._dynamo.reset()
+    fullcg.reset_graph_mode_counts()
+    config = fullcg.FullCGConfig(attention_impl="triton", graph_mode="piecewise", capture_sizes=(1, 2, 4, 8))
+    eager, model = _pair("tiny")
+    worst, _ = _run(eager, model, torch.compile(model, backend=fullcg.Backend(config)), config, prefill_chunk=64)
+    assert worst < 3e-2
+    counts = fullcg.graph_mode_counts()
+    assert counts["piecewise:eager"] > 0 and counts["piecewise:captured"] > 0, counts
+
+
+def test_capture_up_front_then_replay_without_new_captures():
+    torch._dynamo.reset()
+    config = fullcg.FullCGConfig(attention_impl="triton", graph_mode="full_and_piecewise", capture_sizes=(1, 4, 16, 64))
+    backend = fullcg.Backend(config)
+    eager, model = _pair("tiny")
+    compiled = torch.compile(model, backend=backend)
+    step = Scheduler([[1, 2, 3]], 1, num_pages=128, page_size=16, device="cuda").next_step()
+    fullcg.capture(compiled, step.metadata, model, step.input_ids, step.positions)
+    runner = backend.runners[0]
+    full_before = dict(runner.full_graphs)
+    assert {size for size, _ in full_before} == {1, 4, 16, 64}
+    for layer in model.attention_layers():  # capture wrote nothing: slots were -1
+        layer.kv_cache.k.zero_()
+    worst, _ = _run(eager, model, compiled, config)
+    assert worst < 3e-2
+    assert runner.full_graphs.keys() == full_before.keys(), "no capture after the up-front one"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_ops_pass_opcheck_on_cuda(impl):
+    from batches import make_batch
+
+    b = make_batch([5, 1, 3], [0, 6, 4], dtype=torch.float16, head_dim=64, num_heads=4, num_kv_heads=2)
+    cache = b.layer.kv_cache
+    b.layer.kv_cache = fullcg.KVCache(cache.k.cuda(), cache.v.cuda())
+    md = fullcg.AttentionMetadata.build(b.metadata.query_lens, b.metadata.prefix_lens, b.metadata.page_table,
+                                        b.metadata.page_size, device="cuda")
+    q, k, v = b.q.cuda(), b.k.cuda(), b.v.cuda()
+    config = fullcg.FullCGConfig(attention_impl=impl)
+    with fullcg.forward_context(md, b.layer, config=config):
+        for op in fullcg.ops.ATTENTION_OPS.values():
+            torch.library.opcheck(op, (q, k, v, torch.empty_like(q), 0))
