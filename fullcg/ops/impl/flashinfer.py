@@ -394,6 +394,9 @@ class FlashInferAttention:
         if not q.is_cuda:
             raise RuntimeError(f"{where}: tensors are on {q.device}; FlashInfer needs a CUDA device. "
                                "Use attention_impl='reference' on the CPU")
+        if q.shape[2] not in (64, 128, 256) or call.v.shape[2] != q.shape[2]:
+            raise ValueError(f"{where}: FlashInfer's kernels take head dims 64, 128 or 256 (q and v alike), got "
+                             f"{q.shape[2]} and {call.v.shape[2]}; use attention_impl='triton' or 'reference'")
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{where}: FlashInfer computes in float16 or bfloat16, got {q.dtype}; "
                             "cast the model or use attention_impl='reference'")
