@@ -162,6 +162,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
         logger.info("fullcg: running on %s: graphs are compiled but no CUDA graphs are captured (graph_mode=%s)",
                     device.type, config.graph_mode)
 
+    # One memory pool for all CUDA graphs of this compiled graph (pieces, sizes, full graphs).
+    pool = torch.cuda.graph_pool_handle() if device.type == "cuda" and config.graph_mode != "none" else None
     wants_piecewise = config.graph_mode in ("none", "piecewise", "full_and_piecewise")
     wants_full = config.graph_mode in ("full", "full_and_piecewise")
     piecewise_fn: Callable[..., Any] | None = None
@@ -184,12 +186,11 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
         with fake_mode:
             compiler.run(*_fake_inputs(fake_mode, example_inputs))
         runnable = split.graph_module
-        captures = device.type == "cuda" and config.graph_mode != "none"
         for piece in split.pieces:
             call: Any = compiler.calls[piece.name]
-            if captures:
+            if pool is not None:
                 call = BridgedPiece(piece.name, call) if piece.breakable else CapturedPiece(
-                    piece.name, call, device, config.debug_graph_inputs
+                    piece.name, call, device, pool, config.debug_graph_inputs
                 )
             # A plain attribute, not a child module: the per-step path skips nn.Module.__call__.
             del runnable._modules[piece.name]
@@ -209,7 +210,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
     dump.write("split_report.txt", report)
     stager, token_outputs = _token_layout(gm, example_inputs, config, device)
     runner = StepRunner(
-        config, piecewise=piecewise_fn, full=full_fn, device=device, stager=stager, token_outputs=token_outputs,
+        config, piecewise=piecewise_fn, full=full_fn, device=device, pool=pool, stager=stager,
+        token_outputs=token_outputs,
         full_capturable=not any(n.op == "call_function" and n.target in GATHER_OPS for n in gm.graph.nodes),
     )
     runner.report = report

@@ -2,7 +2,8 @@
 
 A step of ``n`` tokens runs captured when ``n`` is at most the largest capture size: it is
 padded up to the next size ``S``, its token inputs are copied into persistent buffers,
-and the graphs captured for ``S`` are replayed. All graphs share one memory pool.
+and the graphs captured for ``S`` are replayed. All graphs of a compiled graph share one
+memory pool.
 
 - Piecewise: every compiled piece is a :class:`CapturedPiece` with one graph per size;
   split points (breakable attention, prefix gathers) run eagerly between them with the
@@ -27,13 +28,14 @@ import torch
 
 from fullcg.context import AttentionMetadata, ForwardMode
 
-__all__ = ["CapturedPiece", "BridgedPiece", "StaticMetadata", "InputStager", "padded_size", "capture_graph"]
+__all__ = [
+    "CapturedPiece", "BridgedPiece", "StaticMetadata", "InputStager", "padded_size", "capture_graph", "dummy_metadata",
+]
 
 logger = logging.getLogger(__name__)
 
 # The capture size of the step being run captured; pieces read it (None: run uncaptured).
 _active_size: int | None = None
-_pools: dict[torch.device, Any] = {}
 
 
 def active_size() -> int | None:
@@ -43,14 +45,6 @@ def active_size() -> int | None:
 def set_active_size(size: int | None) -> None:
     global _active_size
     _active_size = size
-
-
-def graph_pool(device: torch.device) -> Any:
-    """One memory pool per device, shared by every captured graph."""
-    pool = _pools.get(device)
-    if pool is None:
-        pool = _pools[device] = torch.cuda.graph_pool_handle()
-    return pool
 
 
 def padded_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
@@ -70,12 +64,17 @@ class Captured:
     input_ptrs: tuple[int, ...]
 
 
-def capture_graph(fn: Callable[..., Any], args: Sequence[Any], device: torch.device) -> Captured:
-    """Warm ``fn`` up once, then capture it in the shared pool (the capture does not compute)."""
+def capture_graph(fn: Callable[..., Any], args: Sequence[Any], device: torch.device, pool: Any) -> Captured:
+    """Warm ``fn`` up once, then capture it in ``pool`` (the capture does not compute).
+
+    ``pool`` is one compiled graph's pool (``torch.cuda.graph_pool_handle()``), shared by all
+    its pieces and sizes. It lives as long as its graphs: a pool whose graphs were all freed
+    cannot be captured into again.
+    """
     fn(*args)  # first runs allocate workspaces, pick kernels, JIT-compile: never inside a capture
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=graph_pool(device)):
+    with torch.cuda.graph(graph, pool=pool):
         output = fn(*args)
     return Captured(graph, output, _tensor_ptrs(args))
 
@@ -83,10 +82,11 @@ def capture_graph(fn: Callable[..., Any], args: Sequence[Any], device: torch.dev
 class CapturedPiece:
     """A compiled piece with one CUDA graph per capture size, captured on first use."""
 
-    def __init__(self, name: str, fn: Callable[..., Any], device: torch.device, check_inputs: bool) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], device: torch.device, pool: Any, check_inputs: bool) -> None:
         self.name = name
         self.fn = fn
         self.device = device
+        self.pool = pool
         self.check_inputs = check_inputs
         self.graphs: dict[int, Captured] = {}
 
@@ -96,7 +96,7 @@ class CapturedPiece:
             return self.fn(*args)
         entry = self.graphs.get(size)
         if entry is None:
-            entry = self.graphs[size] = capture_graph(self.fn, args, self.device)
+            entry = self.graphs[size] = capture_graph(self.fn, args, self.device, self.pool)
         elif self.check_inputs and _tensor_ptrs(args) != entry.input_ptrs:
             raise RuntimeError(
                 f"fullcg: the inputs of captured piece {self.name} (size {size}) moved since capture; "

@@ -80,6 +80,7 @@ class StepRunner:
         piecewise: Callable[..., Any] | None,
         full: Callable[..., Any] | None,
         device: torch.device,
+        pool: Any = None,
         stager: cudagraph.InputStager | None = None,
         token_outputs: tuple[bool, ...] | None = None,
         full_capturable: bool = True,
@@ -90,11 +91,12 @@ class StepRunner:
         self.piecewise = piecewise
         self.full = full
         self.device = device
+        self.pool = pool
         self.stager = stager
         self.token_outputs = token_outputs
         self.full_capturable = full_capturable
         self.sizes = config.sizes_to_capture
-        self.captures = device.type == "cuda" and config.graph_mode != "none" and stager is not None
+        self.captures = pool is not None and stager is not None
         self.full_graphs: dict[tuple[int, bool], cudagraph.Captured] = {}
         self.static_metadata: dict[int, cudagraph.StaticMetadata] = {}
         self.on_first_call: Callable[[], None] | None = None
@@ -177,7 +179,7 @@ class StepRunner:
         with derived_context(static_ctx, config=self.config, breakable=False):
             entry = self.full_graphs.get(key)
             if entry is None:
-                entry = self.full_graphs[key] = cudagraph.capture_graph(self.full, staged, self.device)
+                entry = self.full_graphs[key] = cudagraph.capture_graph(self.full, staged, self.device, self.pool)
             plan = getattr(impl, "plan", None)
             if plan is not None:
                 plan(static_ctx)
