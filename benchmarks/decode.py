@@ -114,6 +114,12 @@ def main() -> None:
     points = [(b, c) for c in args.contexts for b in args.batches]
     table: dict[tuple[int, int], dict[str, float]] = {p: {"floor": floor_ms(*p)} for p in points}
 
+    def dump() -> None:  # after every phase, so a run cut short still leaves its figures
+        if args.out:
+            partial = {**results, "decode_ms_partial": [{"batch": b, "context": c, **t} for (b, c), t in table.items()]}
+            with open(args.out, "w") as f:
+                json.dump(partial, f, indent=1, default=str)
+
     def step_fn(fn, batch, context, config):
         md = decode_metadata(batch, context, dev)
         ids = torch.randint(0, cfg.vocab_size, (batch,), device=dev)
@@ -130,7 +136,8 @@ def main() -> None:
     with torch.inference_mode():
         for b, c in points:
             table[(b, c)]["eager"] = time_ms(step_fn(model, b, c, base), args.repeats)
-        print("eager done", flush=True)
+        print("eager: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)]['eager']:.2f} ms" for b, c in points), flush=True)
+        dump()
 
         for mode in ["piecewise", "full"]:
             torch._dynamo.reset()
@@ -156,6 +163,8 @@ def main() -> None:
             for b, c in points:
                 table[(b, c)][mode] = time_ms(step_fn(compiled, b, c, config), args.repeats)
             results[f"{mode}_steps"] = dict(fullcg.graph_mode_counts())
+            print(f"{mode}: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)][mode]:.2f} ms" for b, c in points), flush=True)
+            dump()
 
             if mode == "piecewise":  # prefill and mixed steps, piecewise vs eager
                 for name, lens, prefixes in [
@@ -197,6 +206,9 @@ def main() -> None:
                 torch.cuda.synchronize()
                 results.setdefault("peer_compile_s", []).append(time.perf_counter() - t0)
                 table[(b, c)]["peer"] = time_ms(lambda: compiled_peer(ids, pos), args.repeats)
+                print(f"peer b{b}/ctx{c}: {table[(b, c)]['peer']:.2f} ms (compile {results['peer_compile_s'][-1]:.0f} s)",
+                      flush=True)
+                dump()
                 del peer, compiled_peer
                 torch.cuda.empty_cache()
         print("peer done", flush=True)

@@ -19,7 +19,7 @@ from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
 
-__all__ = ["ReferenceAttention", "attend_dense", "attend_tiled", "merge_states", "save_kv", "save_new_kv", "save_new_kv_padded", "read_kv"]
+__all__ = ["ReferenceAttention", "attend_dense", "attend_tiled", "merge_states", "save_kv", "save_new_kv", "read_kv"]
 
 _NEG_INF = float("-inf")
 
@@ -38,18 +38,6 @@ def save_new_kv(call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> Non
     slots = ctx.metadata.slot_mapping[:n].to(cache.k.device)
     keep = slots >= 0  # slots < 0 are padding tokens
     save_kv(cache, call.k[:n][keep], call.v[:n][keep], slots[keep])
-
-
-def save_new_kv_padded(call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
-    """:func:`save_new_kv` without host syncs or data-dependent shapes (CUDA-graph safe).
-
-    Every row of ``slot_mapping`` is written; a padding row (slot < 0) is redirected to
-    token 0's slot with token 0's own values, so it stores the bytes already going there.
-    """
-    slots = ctx.metadata.slot_mapping.to(cache.k.device)
-    rows = torch.arange(slots.shape[0], device=slots.device)
-    src = torch.where(slots >= 0, rows, torch.zeros_like(rows))
-    save_kv(cache, call.k[src], call.v[src], slots[src])
 
 
 def _slots(page_table_row: torch.Tensor, positions: torch.Tensor, page_size: int, num_pages: int) -> torch.Tensor:

@@ -1,0 +1,52 @@
+"""Writes new tokens' k/v into the paged cache, skipping padding slots (< 0), on the device.
+
+CUDA-graph safe: one program per row of ``slot_mapping``, no host sync, and a padding row
+writes nothing (a plain ``index_copy_`` would need a real slot to send it to).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["save_kv_to_cache"]
+
+
+@triton.jit
+def _save_kv_kernel(
+    k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    stride_k, stride_v,
+    ROW_K: tl.constexpr, ROW_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        ok = tl.arange(0, BLOCK_K)
+        x = tl.load(k_ptr + t * stride_k + ok, mask=ok < ROW_K)
+        tl.store(k_cache_ptr + slot * ROW_K + ok, x, mask=ok < ROW_K)
+        ov = tl.arange(0, BLOCK_V)
+        y = tl.load(v_ptr + t * stride_v + ov, mask=ov < ROW_V)
+        tl.store(v_cache_ptr + slot * ROW_V + ov, y, mask=ov < ROW_V)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` with each token's ``H * D`` values contiguous (a view when they already are)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def save_kv_to_cache(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """``k_cache.view(-1, H, D)[slot] = k[t]`` for every ``t`` with ``slot_mapping[t] >= 0``."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    k, v = _rows(k.to(k_cache.dtype)), _rows(v.to(v_cache.dtype))
+    row_k, row_v = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
+    _save_kv_kernel[(n,)](
+        k, v, slot_mapping, k_cache, v_cache, k.stride(0), v.stride(0),
+        ROW_K=row_k, ROW_V=row_v, BLOCK_K=triton.next_power_of_2(row_k), BLOCK_V=triton.next_power_of_2(row_v),
+    )
