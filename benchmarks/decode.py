@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--impl", default="triton", help="attention implementation for eager and fullcg")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None, help="write all figures as JSON here")
+    ap.add_argument("--peer-only", action="store_true", help="time only the peer (and the floor)")
     args = ap.parse_args()
 
     dev = torch.device("cuda")
@@ -134,12 +135,12 @@ def main() -> None:
         return run
 
     with torch.inference_mode():
-        for b, c in points:
+        for b, c in ([] if args.peer_only else points):
             table[(b, c)]["eager"] = time_ms(step_fn(model, b, c, base), args.repeats)
         print("eager: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)]['eager']:.2f} ms" for b, c in points), flush=True)
         dump()
 
-        for mode in ["piecewise", "full"]:
+        for mode in [] if args.peer_only else ["piecewise", "full"]:
             torch._dynamo.reset()
             config = base.replace(graph_mode=mode)
             backend = fullcg.Backend(config)
@@ -214,6 +215,10 @@ def main() -> None:
         print("peer done", flush=True)
 
     rows = []
+    if args.peer_only:
+        print(json.dumps({f"{b}/{c}": t for (b, c), t in table.items()}, indent=1))
+        dump()
+        return
     header = "| batch | context | floor | eager | peer | piecewise | full | full / floor | full vs peer | piecewise / full |"
     print(header)
     print("|" + "---|" * 10)

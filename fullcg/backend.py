@@ -111,9 +111,10 @@ def _token_layout(
             if any(isinstance(d, torch.SymInt) for d in fake.shape[1:]):
                 return None, None  # more than one dynamic dimension: not a token layout we can pad
             token_args.append(i)
-            buffers[i] = torch.zeros(
-                (config.sizes_to_capture[-1], *fake.shape[1:]), dtype=fake.dtype, device=real.device
-            )
+            with torch.inference_mode(False):  # persistent: written by every step, whatever its mode
+                buffers[i] = torch.zeros(
+                    (config.sizes_to_capture[-1], *fake.shape[1:]), dtype=fake.dtype, device=real.device
+                )
     if not token_args:
         return None, None
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")

@@ -122,7 +122,8 @@ class BridgedPiece:
             return out
         bridge = self.bridges.get(size)
         if bridge is None:
-            bridge = self.bridges[size] = _map_tensors(out, lambda t: t.clone())
+            with torch.inference_mode(False):
+                bridge = self.bridges[size] = _map_tensors(out, lambda t: t.clone())
         else:
             _copy_into(bridge, out)
         return bridge
@@ -194,6 +195,10 @@ class StaticMetadata:
     """
 
     def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
+        with torch.inference_mode(False):  # normal tensors: refilled in or out of inference mode
+            self._allocate(size, max_pages, device)
+
+    def _allocate(self, size: int, max_pages: int, device: torch.device) -> None:
         self.size = size
         # The int32 fields are views of one buffer: one host-to-device copy refills them all.
         self._packed = torch.zeros(3 * size + 2, dtype=torch.int32, device=device)

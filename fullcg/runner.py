@@ -134,8 +134,10 @@ class StepRunner:
             with derived_context(ctx, config=self.config, breakable=variant == "piecewise"), torch.no_grad():
                 return graph(*args)
         _counts[f"{variant}:captured"] += 1
-        staged = self.stager.stage(args, n, size)
-        with torch.no_grad():
+        # Inference mode throughout: graph outputs made while capturing under it are updated
+        # in place by eager split points on later steps, which only inference mode allows.
+        with torch.inference_mode():
+            staged = self.stager.stage(args, n, size)
             if variant == "full":
                 out = self._replay_full(ctx, staged, size)
             else:
@@ -200,7 +202,7 @@ class StepRunner:
             md = cudagraph.dummy_metadata(size, decode_only or self.piecewise is None, page_size, self.device)
             dummy = ForwardContext(md, ctx.kv_caches, ctx.config, False)
             staged = self.stager.dummy(args, size)
-            with derived_context(dummy, config=self.config, breakable=False), torch.no_grad():
+            with derived_context(dummy, config=self.config, breakable=False), torch.inference_mode():
                 if self.choose(dummy) == "full" and self._full_capture_ok(dummy):
                     self._replay_full(dummy, staged, size)
                 elif self.piecewise is not None:

@@ -225,7 +225,8 @@ class FlashInferAttention:
     def _workspace(self, device: torch.device) -> torch.Tensor:
         ws = self._workspaces.get(device)
         if ws is None:
-            ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            with torch.inference_mode(False):  # a normal tensor: planning may run outside inference mode
+                ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._workspaces[device] = ws
         return ws
 
@@ -240,6 +241,14 @@ class FlashInferAttention:
         wrapper = self._wrappers.get(key)
         if wrapper is not None:
             return wrapper
+        # Fixed buffers are normal tensors, so plans can update them in or out of inference mode.
+        with torch.inference_mode(False):
+            return self._new_wrapper(key, shape, kind, flavour, decode, slots, max_pages, backend)
+
+    def _new_wrapper(
+        self, key: tuple, shape: _Shape, kind: _Kind, flavour: str, decode: bool, slots: int | None, max_pages: int,
+        backend: str,
+    ) -> object:
         dev = shape.device
         ws = self._workspace(dev)
         graph: dict[str, object] = {}
