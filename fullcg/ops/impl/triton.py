@@ -23,6 +23,7 @@ from fullcg.context import AttentionMetadata, ForwardContext
 from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
+from fullcg.ops.kernels.save_kv import save_new_kv
 from fullcg.ops.kernels import decode_attention, prefill_attention
 
 __all__ = ["TritonAttention"]
@@ -80,13 +81,8 @@ class TritonAttention:
     name = "triton"
     capture_safe = True
 
-    @staticmethod
-    def save_kv(call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
-        """Write the new tokens' k/v to ``metadata.slot_mapping`` on the device; slots < 0 are padding."""
-        from fullcg.ops.kernels.save_kv import save_kv_to_cache
-
-        slots = ctx.metadata.slot_mapping
-        save_kv_to_cache(call.k[: slots.shape[0]], call.v[: slots.shape[0]], slots, cache.k, cache.v)
+    #: New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe).
+    save_kv = staticmethod(save_new_kv)
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""

@@ -6,11 +6,18 @@ writes nothing (a plain ``index_copy_`` would need a real slot to send it to).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["save_kv_to_cache"]
+if TYPE_CHECKING:
+    from fullcg.context import ForwardContext
+    from fullcg.kv_cache import KVCache
+    from fullcg.ops.call import AttentionCall
+
+__all__ = ["save_kv_to_cache", "save_new_kv"]
 
 
 @triton.jit
@@ -50,3 +57,9 @@ def save_kv_to_cache(
         k, v, slot_mapping, k_cache, v_cache, k.stride(0), v.stride(0),
         ROW_K=row_k, ROW_V=row_v, BLOCK_K=triton.next_power_of_2(row_k), BLOCK_V=triton.next_power_of_2(row_v),
     )
+
+
+def save_new_kv(call: "AttentionCall", ctx: "ForwardContext", cache: "KVCache") -> None:
+    """An implementation's ``save_kv``: the step's new k/v to ``metadata.slot_mapping``, on the device."""
+    slots = ctx.metadata.slot_mapping
+    save_kv_to_cache(call.k[: slots.shape[0]], call.v[: slots.shape[0]], slots, cache.k, cache.v)
