@@ -101,7 +101,8 @@ class StepRunner:
         self.static_metadata: dict[int, cudagraph.StaticMetadata] = {}
         self.on_first_call: Callable[[], None] | None = None
         self._first_captured_call = True
-        self._warned: set[str] = set()
+        self._full_ok: bool | None = None
+        self._impl: Any = None
         #: The split report of the graph this runner runs (see fullcg.debug.split_report).
         self.report = ""
 
@@ -144,22 +145,18 @@ class StepRunner:
                 out = self._run_piecewise(ctx, staged, size)
         return _slice_tokens(out, self.token_outputs, n)
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
-
     def _full_capture_ok(self, ctx: ForwardContext) -> bool:
-        if not self.full_capturable:
-            self._warn_once("gather", "fullcg: the full graph gathers prefix chunks on the host; "
-                            "running it uncaptured (use graph_mode='piecewise' for the chunked-prefix pattern)")
-            return False
-        impl = resolve_implementation(self.config.attention_impl, self.device)
-        if not getattr(impl, "capture_safe", False):
-            self._warn_once("impl", f"fullcg: attention implementation {impl.name!r} cannot be captured in a full "
-                            "CUDA graph; full steps run uncaptured (use attention_impl='triton' or 'flashinfer')")
-            return False
-        return True
+        if self._full_ok is None:  # fixed per runner: decided on first use, with one warning
+            impl = resolve_implementation(self.config.attention_impl, self.device)
+            if not self.full_capturable:
+                logger.warning("fullcg: the full graph gathers prefix chunks on the host; running it uncaptured "
+                               "(use graph_mode='piecewise' for the chunked-prefix pattern)")
+            elif not getattr(impl, "capture_safe", False):
+                logger.warning(f"fullcg: attention implementation {impl.name!r} cannot be captured in a full CUDA "
+                               "graph; full steps run uncaptured (use attention_impl='triton' or 'flashinfer')")
+            self._impl = impl
+            self._full_ok = self.full_capturable and bool(getattr(impl, "capture_safe", False))
+        return self._full_ok
 
     def _run_piecewise(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
         cudagraph.set_active_size(size)
@@ -177,12 +174,11 @@ class StepRunner:
         md = static.fill(ctx.metadata)
         static_ctx = ForwardContext(md, ctx.kv_caches, self.config, False)
         key = (size, ctx.metadata.is_decode_only)
-        impl = resolve_implementation(self.config.attention_impl, self.device)
         with derived_context(static_ctx, config=self.config, breakable=False):
             entry = self.full_graphs.get(key)
             if entry is None:
                 entry = self.full_graphs[key] = cudagraph.capture_graph(self.full, staged, self.device, self.pool)
-            plan = getattr(impl, "plan", None)
+            plan = getattr(self._impl, "plan", None)
             if plan is not None:
                 plan(static_ctx)
             entry.graph.replay()

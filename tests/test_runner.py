@@ -1,0 +1,84 @@
+"""The step runner's CUDA-graph bookkeeping, checked on the CPU: sizes, staging, static metadata."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import fullcg
+from fullcg import cudagraph
+from fullcg.ops.impl import register_implementation
+from fullcg.runner import StepRunner
+from batches import make_batch
+
+
+def test_batches_pad_to_the_next_capture_size_and_larger_ones_run_uncaptured():
+    sizes = fullcg.FullCGConfig(max_capture_size=64).sizes_to_capture
+    assert sizes[:4] == (1, 2, 4, 8) and sizes[-1] == 64
+    assert [cudagraph.padded_size(n, sizes) for n in (1, 3, 4, 9, 64, 65)] == [1, 4, 4, 16, 64, None]
+
+
+def test_inputs_are_staged_into_fixed_buffers_and_size_inputs_become_the_padded_size():
+    buffers = {0: torch.zeros(16, dtype=torch.long), 2: torch.zeros(16, 3)}
+    stager = cudagraph.InputStager([0, 2], [1], buffers)
+    ids, hidden = torch.arange(1, 6), torch.ones(5, 3)
+    weight = torch.randn(3, 3)
+    assert stager.num_tokens([ids, 5, hidden, weight]) == 5
+    assert stager.num_tokens([ids, 4, hidden, weight]) is None, "inconsistent token counts cannot be padded"
+    staged = stager.stage([ids, 5, hidden, weight], 5, 8)
+    assert staged[1] == 8 and staged[3] is weight
+    assert staged[0].data_ptr() == buffers[0].data_ptr() and staged[0].shape == (8,)
+    assert torch.equal(staged[0][:5], ids) and torch.equal(staged[2][:5], hidden)
+
+
+def test_static_metadata_pads_requests_and_keeps_its_addresses():
+    static = cudagraph.StaticMetadata(size=8, max_pages=6, device=torch.device("cpu"))
+    addresses = [t.data_ptr() for t in (static.query_start_loc, static.slot_mapping, static.page_table)]
+    b = make_batch([3, 1, 1], [0, 5, 9])  # 5 tokens, 3 requests, padded to 8
+    md = static.fill(b.metadata)
+    assert [t.data_ptr() for t in (md.query_start_loc, md.slot_mapping, md.page_table)] == addresses
+    # Real requests, then one-token stand-ins for the 3 padding tokens, then empty requests.
+    assert md.query_start_loc.tolist() == [0, 3, 4, 5, 6, 7, 8, 8, 8]
+    assert md.seq_lens.tolist() == [3, 6, 10, 1, 1, 1, 0, 0]
+    assert md.is_decode.tolist() == [False, True, True, True, True, True, False, False]
+    assert md.num_tokens_tensor.item() == 5
+    assert md.slot_mapping[:5].tolist() == b.metadata.slot_mapping.tolist() and (md.slot_mapping[5:] == -1).all()
+    assert torch.equal(md.page_table[:3, : b.metadata.page_table.shape[1]], b.metadata.page_table)
+    assert (md.page_table[3:] == 0).all()
+    assert md.query_lens == b.metadata.query_lens, "host fields stay the real batch's, for planning"
+    # A smaller batch refills the same buffers.
+    md2 = static.fill(make_batch([1], [4]).metadata)
+    assert md2.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8] and md2.num_tokens_tensor.item() == 1
+
+
+def test_stand_in_batches_write_nothing_to_the_cache():
+    md = cudagraph.dummy_metadata(4, decode_only=True, page_size=16, device=torch.device("cpu"))
+    assert md.is_decode_only and (md.slot_mapping == -1).all()
+    md = cudagraph.dummy_metadata(40, decode_only=False, page_size=16, device=torch.device("cpu"))
+    assert md.forward_modes == (fullcg.ForwardMode.PREFILL,) and md.num_tokens == 40 and (md.slot_mapping == -1).all()
+
+
+class _SafeImpl:
+    name = "capture-safe-stub"
+    capture_safe = True
+
+    def forward(self, call, ctx, cache):  # never called here
+        raise AssertionError
+
+
+def test_full_graphs_are_captured_only_with_a_capture_safe_implementation_and_no_gathers(caplog):
+    register_implementation(_SafeImpl())
+    b = make_batch([1], [3])
+    ctx = fullcg.context.ForwardContext(b.metadata, {}, fullcg.FullCGConfig(), False)
+
+    def runner(impl: str, gathers: bool) -> StepRunner:
+        config = fullcg.FullCGConfig(attention_impl=impl)
+        return StepRunner(config, piecewise=None, full=lambda *a: a, device=torch.device("cpu"), full_capturable=not gathers)
+
+    with caplog.at_level(logging.WARNING):
+        assert runner("capture-safe-stub", gathers=False)._full_capture_ok(ctx)
+        assert not runner("reference", gathers=False)._full_capture_ok(ctx)
+        assert "'reference' cannot be captured" in caplog.text
+        assert not runner("capture-safe-stub", gathers=True)._full_capture_ok(ctx)
+        assert "gathers prefix chunks on the host" in caplog.text
