@@ -45,6 +45,19 @@ _BREAKABLE_TAGS: tuple[torch.Tag, ...] = (
     (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 )
 
+# Ops are defined on a Library directly rather than with torch.library.custom_op: for an op
+# that mutates an argument, custom_op adds a Python ADInplaceOrView kernel that re-reads the
+# schema on every call (about 0.2 ms per call here), which a per-layer hot path cannot pay.
+_lib = torch.library.Library("fullcg", "DEF")
+
+
+def _register(name: str, schema: str, kernel: object, fake: object, tags: tuple[torch.Tag, ...] = ()) -> object:
+    """Define ``fullcg::name``, its kernel for every device, and its fake; return the overload."""
+    _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
+    _lib.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fullcg::{name}", fake, lib=_lib)
+    return getattr(torch.ops.fullcg, name).default
+
 
 #: The attributes every attention op takes after ``q, k, v, out``, in schema order.
 ATTRIBUTE_SCHEMA = (
@@ -104,11 +117,7 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
 
     kernel.__name__ = name
     schema = f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {ATTRIBUTE_SCHEMA}) -> " + ("Tensor" if return_lse else "()")
-    defined = torch.library.custom_op(
-        f"fullcg::{name}", kernel, mutates_args=("out",), tags=_BREAKABLE_TAGS if breakable else (), schema=schema
-    )
-    defined.register_fake(fake)
-    return defined
+    return _register(name, schema, kernel, fake, _BREAKABLE_TAGS if breakable else ())
 
 
 attention = _define("attention", return_lse=False, breakable=False)
@@ -118,10 +127,10 @@ breakable_attention_with_lse = _define("breakable_attention_with_lse", return_ls
 
 #: ``(breakable, return_lse) -> op``: the table :class:`fullcg.Attention` dispatches on.
 ATTENTION_OPS = {
-    (False, False): torch.ops.fullcg.attention.default,
-    (False, True): torch.ops.fullcg.attention_with_lse.default,
-    (True, False): torch.ops.fullcg.breakable_attention.default,
-    (True, True): torch.ops.fullcg.breakable_attention_with_lse.default,
+    (False, False): attention,
+    (False, True): attention_with_lse,
+    (True, False): breakable_attention,
+    (True, True): breakable_attention_with_lse,
 }
 
 
@@ -146,8 +155,7 @@ def _check_merge(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse) -
             )
 
 
-@torch.library.custom_op("fullcg::merge_attn_states", mutates_args=("out", "out_lse"))
-def merge_attn_states(
+def _merge_attn_states(
     out: torch.Tensor,
     prefix_out: torch.Tensor,
     prefix_lse: torch.Tensor,
@@ -165,9 +173,17 @@ def merge_attn_states(
     reference.merge_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)
 
 
-@merge_attn_states.register_fake
-def _(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse=None) -> None:
+def _merge_attn_states_fake(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse=None) -> None:
     _check_merge(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)
+
+
+merge_attn_states = _register(
+    "merge_attn_states",
+    "(Tensor(a!) out, Tensor prefix_out, Tensor prefix_lse, Tensor suffix_out, Tensor suffix_lse, "
+    "Tensor(b!)? out_lse=None) -> ()",
+    _merge_attn_states,
+    _merge_attn_states_fake,
+)
 
 
 def _check_gather(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk: int) -> None:
@@ -181,8 +197,7 @@ def _check_gather(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk
         raise ValueError(f"{where}: chunk must be >= 0, got {chunk}")
 
 
-@torch.library.custom_op("fullcg::gather_prefix_chunk", mutates_args=("k_out", "v_out"))
-def gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk: int) -> None:
+def _gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk: int) -> None:
     """Copy chunk ``chunk`` of every request's cached prefix into ``k_out``/``v_out``, packed.
 
     The packing is ``metadata.prefix_chunks[chunk]``; rows past the chunk's tokens are zeroed.
@@ -207,6 +222,13 @@ def gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int,
     reference.gather_prefix_chunk(k_out, v_out, cache, md, plan)
 
 
-@gather_prefix_chunk.register_fake
-def _(k_out, v_out, layer_id, chunk) -> None:
+def _gather_prefix_chunk_fake(k_out, v_out, layer_id, chunk) -> None:
     _check_gather(k_out, v_out, layer_id, chunk)
+
+
+gather_prefix_chunk = _register(
+    "gather_prefix_chunk",
+    "(Tensor(a!) k_out, Tensor(b!) v_out, int layer_id, int chunk) -> ()",
+    _gather_prefix_chunk,
+    _gather_prefix_chunk_fake,
+)
