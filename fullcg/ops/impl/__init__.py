@@ -7,6 +7,7 @@ context's ``config.attention_impl`` picks one by name for each step.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from typing import Protocol
@@ -74,12 +75,21 @@ def available_implementations() -> list[str]:
     return sorted({*_registry, *_lazy})
 
 
+@functools.lru_cache(maxsize=None)
+def _auto_name(device_type: str) -> str:
+    """FlashInfer on CUDA devices when it is installed; the reference everywhere else.
+
+    Cached: looking a package up on sys.path costs more than a whole op call.
+    """
+    if device_type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer"
+    return "reference"
+
+
 def resolve_implementation(name: str, device: torch.device) -> AttentionImpl:
     """The implementation called ``name``; ``auto`` picks the best one for ``device``."""
     if name == "auto":
-        # FlashInfer on CUDA devices when it is installed; the reference everywhere else.
-        on_cuda = torch.device(device).type == "cuda"
-        name = "flashinfer" if on_cuda and importlib.util.find_spec("flashinfer") is not None else "reference"
+        name = _auto_name(torch.device(device).type)
     impl = _registry.get(name)
     if impl is None and name in _lazy:
         importlib.import_module(_lazy[name])  # registers itself
