@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import logging
 import sys
 import time
@@ -34,8 +35,13 @@ def demo(args: argparse.Namespace) -> int:
     given = {"graph_mode": args.graph_mode, "compiler": args.compiler, "attention_impl": args.attention_impl,
              "dump_dir": args.dump_dir}
     config = fullcg.FullCGConfig.from_env(**{k: v for k, v in given.items() if v is not None})  # flags over env
-    model_cfg = LlamaConfig.tiny(chunked_prefix=args.chunked_prefix)
-    eager = LlamaModel(model_cfg, seed=0, device=device)
+    if device.type == "cuda" and config.attention_impl == "auto" and importlib.util.find_spec("flashinfer") is None:
+        # 'auto' would fall back to the reference, which full CUDA graphs cannot capture.
+        config = config.replace(attention_impl="triton")
+    # On a GPU: bfloat16, and head dim 64 (the smallest FlashInfer has kernels for).
+    model_cfg = LlamaConfig.tiny(chunked_prefix=args.chunked_prefix, **({"head_dim": 64} if device.type == "cuda" else {}))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    eager = LlamaModel(model_cfg, seed=0, device=device, dtype=dtype)
     compiled_model = copy.deepcopy(eager)
     for m in (eager, compiled_model):
         m.allocate_kv_cache(num_pages=64, page_size=4)
@@ -43,7 +49,8 @@ def demo(args: argparse.Namespace) -> int:
     compiled = torch.compile(compiled_model, backend=backend)
 
     print(f"fullcg demo: tiny Llama ({model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}) on {device}, "
-          f"graph_mode={config.graph_mode}, compiler={config.compiler}, chunked_prefix={args.chunked_prefix}")
+          f"graph_mode={config.graph_mode}, compiler={config.compiler}, attention_impl={config.attention_impl}, "
+          f"chunked_prefix={args.chunked_prefix}")
     schedulers = [
         Scheduler(PROMPTS, args.max_new_tokens, num_pages=64, page_size=4, prefill_chunk=10, device=device)
         for _ in range(2)
@@ -59,20 +66,24 @@ def demo(args: argparse.Namespace) -> int:
             with fullcg.forward_context(step_c.metadata, compiled_model, config=config):
                 got = compiled(step_c.input_ids, step_c.positions)
             diff = (expected.float() - got.float()).abs().max().item()
+            if device.type == "cuda":  # bfloat16: relative to the logits' scale
+                diff /= expected.float().abs().max().item()
             worst = max(worst, diff)
             step_no += 1
             modes = ", ".join(f"{m.value}:{q}" for m, q in zip(step.modes, step.metadata.query_lens))
             print(f"  step {step_no:2d}: {step.metadata.num_tokens:3d} tokens [{modes}]  max |compiled - eager| = {diff:.2e}")
+            # Both follow the eager model's tokens, so every step compares the same inputs.
             schedulers[0].commit(step, expected)
             schedulers[1].commit(step_c, expected)
     elapsed = time.perf_counter() - start
     for i, req in enumerate(schedulers[1].requests):
-        print(f"  request {i}: prompt of {len(req.prompt)} tokens -> generated {req.generated}")
-    same_tokens = [r.generated for r in schedulers[0].requests] == [r.generated for r in schedulers[1].requests]
-    tolerance = 1e-4 if device.type == "cpu" else 2e-2
-    ok = worst < tolerance and same_tokens
+        print(f"  request {i}: prompt of {len(req.prompt)} tokens -> generated {req.generated} (greedy, eager logits)")
+    tolerance = 1e-4 if device.type == "cpu" else 5e-2  # relative, in bfloat16, on a GPU
+    ok = worst < tolerance
     counts = fullcg.runner.graph_mode_counts()
-    print(f"largest difference over all steps: {worst:.2e} (tolerance {tolerance:g}) -> {'OK' if ok else 'MISMATCH'}")
+    kind = "relative" if device.type == "cuda" else "absolute"
+    print(f"largest {kind} logit difference over all steps: {worst:.2e} (tolerance {tolerance:g}) -> "
+          f"{'OK' if ok else 'MISMATCH'}")
     print(f"steps by graph variant: {dict(sorted(counts.items()))}; compiled graphs: {len(backend.runners)}; "
           f"wall time {elapsed:.1f} s (includes compilation)")
     if backend.runners:
