@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -226,16 +227,17 @@ class AttentionMetadata:
     def num_requests(self) -> int:
         return len(self.query_lens)
 
-    @property
+    # Cached: every attention call of a step asks (the dataclass is frozen, so they never change).
+    @functools.cached_property
     def num_tokens(self) -> int:
         """Real (unpadded) new tokens in the batch."""
         return sum(self.query_lens)
 
-    @property
+    @functools.cached_property
     def is_decode_only(self) -> bool:
         return all(m.is_decode for m in self.forward_modes)
 
-    @property
+    @functools.cached_property
     def query_starts(self) -> tuple[int, ...]:
         out = [0]
         for n in self.query_lens:
