@@ -71,11 +71,14 @@ class PrefixChunk:
 
     Request ``r`` contributes prefix positions ``[starts[r], starts[r] + lens[r])``,
     packed at rows ``[offsets[r], offsets[r] + lens[r])`` of the gathered k/v.
+    ``kv_start_loc`` is ``offsets`` as an ``int32`` tensor on the batch's device, for kernels.
+    (Chunk attention always runs eagerly between pieces, so a per-step tensor is safe.)
     """
 
     starts: tuple[int, ...]
     lens: tuple[int, ...]
     offsets: tuple[int, ...]  # len R + 1
+    kv_start_loc: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -205,7 +208,12 @@ class AttentionMetadata:
             for c in range(math.ceil(max(p_lens) / per_req)):
                 lens = tuple(max(0, min(per_req, p - c * per_req)) for p in p_lens)
                 offsets = (0, *torch.tensor(lens).cumsum(0).tolist())
-                chunks.append(PrefixChunk(tuple(c * per_req for _ in p_lens), lens, tuple(offsets)))
+                chunks.append(
+                    PrefixChunk(
+                        tuple(c * per_req for _ in p_lens), lens, tuple(offsets),
+                        torch.tensor(offsets, dtype=torch.int32, device=dev),
+                    )
+                )
 
         return cls(
             query_lens=q_lens,

@@ -466,15 +466,8 @@ class FlashInferAttention:
         dead = rows >= md.num_tokens_tensor.to(device)
         if call.prefix_chunk is None:
             return dead
-        c = call.prefix_chunk
-        with_prefix = sum(1 for p in md.prefix_lens if p > 0)
-        per_req = max(1, md.prefix_chunk_tokens // with_prefix)
-        if tuple(max(0, min(per_req, p - c * per_req)) for p in md.prefix_lens) != md.prefix_chunks[c].lens:
-            raise RuntimeError(
-                "the flashinfer implementation's prefix-chunk layout disagrees with AttentionMetadata.prefix_chunks; "
-                "update FlashInferAttention._dead_rows to the new chunk plan"
-            )
-        lens = (md.prefix_lens_tensor.to(device) - c * per_req).clamp(0, per_req)
+        loc = md.prefix_chunks[call.prefix_chunk].kv_start_loc.to(device)
+        lens = loc[1:] - loc[:-1]
         qloc = md.query_start_loc.to(device)
         req = torch.searchsorted(qloc, rows, right=True) - 1
         req = req.clamp(0, lens.shape[0] - 1)

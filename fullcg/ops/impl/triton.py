@@ -19,7 +19,7 @@ import torch
 import triton
 
 from fullcg import telemetry
-from fullcg.context import AttentionMetadata, ForwardContext
+from fullcg.context import ForwardContext
 from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
@@ -51,28 +51,6 @@ def _check_supported(call: AttentionCall, ctx: ForwardContext, cache: KVCache | 
         raise TypeError(
             f"{where}: the KV cache holds {cache.k.dtype} but q is {call.q.dtype}; allocate the cache in q's dtype"
         )
-
-
-def _chunk_kv_start_loc(md: AttentionMetadata, chunk_index: int, device: torch.device) -> torch.Tensor:
-    """``int32 [R + 1]``: where each request's rows start in prefix chunk ``chunk_index``.
-
-    Computed on the device from ``prefix_lens_tensor`` (a host-to-device copy of the plan
-    could not be captured in a CUDA graph); the host plan is used only to check the formula.
-    """
-    plan = md.prefix_chunks[chunk_index]
-    with_prefix = sum(1 for p in md.prefix_lens if p > 0)
-    per_req = max(1, md.prefix_chunk_tokens // with_prefix)
-    start = chunk_index * per_req
-    expected = tuple(max(0, min(per_req, p - start)) for p in md.prefix_lens)
-    if expected != plan.lens:
-        raise RuntimeError(
-            "the triton implementation's prefix-chunk layout disagrees with AttentionMetadata.prefix_chunks "
-            f"(chunk {chunk_index}: {expected} vs {plan.lens}); update _chunk_kv_start_loc to the new plan"
-        )
-    lens = (md.prefix_lens_tensor.to(device=device, dtype=torch.int32) - start).clamp(0, per_req)
-    loc = torch.zeros(md.num_requests + 1, dtype=torch.int32, device=device)
-    torch.cumsum(lens, 0, out=loc[1:])
-    return loc
 
 
 class TritonAttention:
@@ -111,7 +89,7 @@ class TritonAttention:
             k, v = call.k, call.v
             if call.prefix_chunk is not None:
                 causal = False
-                kv_loc = _chunk_kv_start_loc(md, call.prefix_chunk, dev)
+                kv_loc = md.prefix_chunks[call.prefix_chunk].kv_start_loc.to(dev)
                 max_kv_len = md.prefix_chunk_tokens
             else:
                 causal = call.causal
