@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.tile import attend_tile, kv_offsets
+from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["decode_attention", "DENSE_SPLIT_TILES"]
 
@@ -195,7 +195,7 @@ def decode_attention(
     it sizes the split grid and workspace. ``split_tiles`` None means one run over all keys
     when skipping (the reference's unsplit walk) and :data:`DENSE_SPLIT_TILES` when dense.
     """
-    paged = page_table is not None
+    src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
     num_requests = query_start_loc.shape[0] - 1
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, head_dim_v = v.shape[-2], v.shape[-1]
@@ -220,38 +220,26 @@ def decode_attention(
     max_splits = triton.cdiv(max_tiles, split_tiles)
     part_out = torch.empty((num_requests, max_splits, num_q_heads, head_dim_v), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_requests, max_splits, num_q_heads), dtype=torch.float32, device=q.device)
-    if paged:
-        page_size = k.shape[1]
-        stride_kp, stride_ks, stride_kh = k.stride(0), k.stride(1), k.stride(2)
-        stride_vp, stride_vs, stride_vh = v.stride(0), v.stride(1), v.stride(2)
-        pt, stride_pt = page_table, page_table.stride(0)
-        kv_loc = query_start_loc  # unused
-    else:
-        assert kv_start_loc is not None, "ragged k/v needs kv_start_loc"
-        page_size = 1
-        stride_kp, stride_ks, stride_kh = 0, k.stride(0), k.stride(1)
-        stride_vp, stride_vs, stride_vh = 0, v.stride(0), v.stride(1)
-        pt, stride_pt = query_start_loc, 0  # unused
-        kv_loc = kv_start_loc
+    if not src.paged:
         seq_lens = query_start_loc  # unused
     ctr = counters if skip else part_lse  # unused unless skip
     block_m = max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(max_splits, num_kv_heads, num_requests)](
         q, k, v, part_out, part_lse, ctr,
-        pt, query_start_loc, kv_loc, seq_lens, is_decode,
+        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode,
         q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
-        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+        *src.strides, src.stride_page_table,
         scale * _LOG2E, float(factor) if skip else 0.0,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
-        HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=paged, PAGE_SIZE=page_size,
+        HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=src.paged, PAGE_SIZE=src.page_size,
         SKIP=skip, DOT_F32=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_merge_kernel[(num_kv_heads, num_requests)](
         part_out, part_lse, out, lse,
-        query_start_loc, kv_loc, seq_lens, is_decode,
+        query_start_loc, src.kv_start_loc, seq_lens, is_decode,
         out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
-        BLOCK_S=min(16, triton.next_power_of_2(max_splits)), HEAD_DV=head_dim_v, PAGED=paged,
+        BLOCK_S=min(16, triton.next_power_of_2(max_splits)), HEAD_DV=head_dim_v, PAGED=src.paged,
         num_warps=4,
     )

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.tile import attend_tile, kv_offsets
+from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["prefill_attention"]
 
@@ -161,25 +161,13 @@ def prefill_attention(
     otherwise skip-softmax with ``lambda = factor / kv_len`` and tiles counted into
     ``counters[0]``. ``lse`` is written in natural log for the rows computed here.
     """
-    paged = page_table is not None
+    src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
     num_requests = query_start_loc.shape[0] - 1
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, head_dim_v = v.shape[-2], v.shape[-1]
     group = num_q_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(tile_q * group))
-    if paged:
-        page_size = k.shape[1]
-        stride_kp, stride_ks, stride_kh = k.stride(0), k.stride(1), k.stride(2)
-        stride_vp, stride_vs, stride_vh = v.stride(0), v.stride(1), v.stride(2)
-        pt, stride_pt = page_table, page_table.stride(0)
-        kv_loc = query_start_loc  # unused
-    else:
-        assert kv_start_loc is not None, "ragged k/v needs kv_start_loc"
-        page_size = 1
-        stride_kp, stride_ks, stride_kh = 0, k.stride(0), k.stride(1)
-        stride_vp, stride_vs, stride_vh = 0, v.stride(0), v.stride(1)
-        pt, stride_pt = query_start_loc, 0  # unused
-        kv_loc = kv_start_loc
+    if not src.paged:
         seq_lens = prefix_lens = query_start_loc  # unused
     skip = factor is not None
     ctr = counters if (skip and counters is not None) else lse  # unused unless skip
@@ -192,12 +180,12 @@ def prefill_attention(
     grid = (triton.cdiv(q.shape[0], tile_q), num_kv_heads, num_requests)
     _prefill_kernel[grid](
         q, k, v, out, lse, ctr,
-        pt, query_start_loc, kv_loc, seq_lens, prefix_lens, is_decode,
+        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, prefix_lens, is_decode,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+        *src.strides, src.stride_page_table,
         scale * _LOG2E, float(factor) if skip else 0.0,
         GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_N=tile_kv,
-        HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=paged, PAGE_SIZE=page_size,
+        HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=src.paged, PAGE_SIZE=src.page_size,
         CAUSAL=causal, SKIP=skip, DOT_F32=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )

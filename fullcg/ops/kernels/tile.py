@@ -8,6 +8,9 @@ so the kernel uses ``exp2``; the skip test ``exp(tile_max - running_max) < lambd
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 import triton
 import triton.language as tl
 
@@ -109,3 +112,36 @@ def attend_tile(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc, skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSource:
+    """How the kernels address k/v: a paged cache or ragged rows, as launch arguments."""
+
+    paged: bool
+    page_size: int
+    page_table: torch.Tensor  # a placeholder tensor when ragged (never read)
+    stride_page_table: int
+    kv_start_loc: torch.Tensor  # a placeholder tensor when paged (never read)
+    strides: tuple[int, int, int, int, int, int]  # k: page, slot, head; v: page, slot, head
+
+
+def kv_source(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    page_table: torch.Tensor | None,
+    kv_start_loc: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+) -> KVSource:
+    """Paged ``[pages, page_size, H, D]`` k/v with a page table, or ragged ``[T, H, D]`` rows
+    with ``kv_start_loc`` (then every "page" is one row)."""
+    if page_table is not None:
+        return KVSource(
+            True, k.shape[1], page_table, page_table.stride(0), query_start_loc,
+            (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)),
+        )
+    if kv_start_loc is None:
+        raise ValueError("ragged k/v needs kv_start_loc")
+    return KVSource(
+        False, 1, query_start_loc, 0, kv_start_loc, (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
+    )
