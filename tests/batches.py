@@ -24,6 +24,21 @@ class Batch:
     full_k: list[torch.Tensor]
     full_v: list[torch.Tensor]
 
+    def to(self, device: torch.device) -> "Batch":
+        """This batch with its metadata tensors, KV cache and q/k/v on ``device``."""
+        md = self.metadata
+        moved = {
+            f.name: getattr(md, f.name).to(device)
+            for f in dataclasses.fields(md)
+            if isinstance(getattr(md, f.name), torch.Tensor)
+        }
+        cache = self.layer.kv_cache
+        self.layer.kv_cache = fullcg.KVCache(cache.k.to(device), cache.v.to(device))
+        return dataclasses.replace(
+            self, metadata=dataclasses.replace(md, **moved), q=self.q.to(device), k=self.k.to(device),
+            v=self.v.to(device),
+        )
+
 
 def make_batch(
     query_lens: list[int],

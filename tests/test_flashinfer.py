@@ -54,18 +54,7 @@ def flashinfer_impl():
 
 
 def on_gpu(b: Batch) -> Batch:
-    md = b.metadata
-    moved = {
-        f.name: getattr(md, f.name).to(DEVICE)
-        for f in dataclasses.fields(md)
-        if isinstance(getattr(md, f.name), torch.Tensor)
-    }
-    cache = b.layer.kv_cache
-    cache.k, cache.v = cache.k.to(DEVICE), cache.v.to(DEVICE)
-    b.layer._kv_device = DEVICE
-    return dataclasses.replace(
-        b, metadata=dataclasses.replace(md, **moved), q=b.q.to(DEVICE), k=b.k.to(DEVICE), v=b.v.to(DEVICE)
-    )
+    return b.to(DEVICE)
 
 
 def batch(name: str, heads: str = "gqa4", **kw) -> Batch:

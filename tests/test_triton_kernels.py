@@ -49,20 +49,7 @@ PEAKY = dict(key_bias=2.0, sink=4.0)
 
 def on_device(b: Batch) -> Batch:
     """The batch with its metadata, cache and tensors on DEVICE."""
-    if DEVICE.type == "cpu":
-        return b
-    md = b.metadata
-    moved = {
-        f.name: getattr(md, f.name).to(DEVICE)
-        for f in dataclasses.fields(md)
-        if isinstance(getattr(md, f.name), torch.Tensor)
-    }
-    cache = b.layer.kv_cache
-    cache.k, cache.v = cache.k.to(DEVICE), cache.v.to(DEVICE)
-    b.layer._kv_device = DEVICE
-    return dataclasses.replace(
-        b, metadata=dataclasses.replace(md, **moved), q=b.q.to(DEVICE), k=b.k.to(DEVICE), v=b.v.to(DEVICE)
-    )
+    return b if DEVICE.type == "cpu" else b.to(DEVICE)
 
 
 def with_sink(b: Batch, strength: float) -> Batch:
