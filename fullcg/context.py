@@ -382,9 +382,12 @@ def _enable_size_oblivious_once() -> None:
 
 
 @contextlib.contextmanager
-def derived_context(ctx: ForwardContext, *, config: FullCGConfig, breakable: bool) -> Iterator[ForwardContext]:
-    """``ctx`` with another config and breakable flag: how a compiled step runs its graph."""
-    derived = ForwardContext(ctx.metadata, ctx.kv_caches, config, breakable)
+def derived_context(
+    ctx: ForwardContext, *, config: FullCGConfig, breakable: bool, metadata: AttentionMetadata | None = None
+) -> Iterator[ForwardContext]:
+    """``ctx`` with another config and breakable flag (and, for graph replays, the metadata
+    in static buffers): how a compiled step runs its graph."""
+    derived = ForwardContext(metadata if metadata is not None else ctx.metadata, ctx.kv_caches, config, breakable)
     _stack.append(derived)
     _publish()
     try:

@@ -171,10 +171,9 @@ class StepRunner:
         if static is None:
             max_pages = max((c.num_pages for c in ctx.kv_caches.values()), default=1)
             static = self.static_metadata[size] = cudagraph.StaticMetadata(size, max_pages, self.device)
-        md = static.fill(ctx.metadata)
-        static_ctx = ForwardContext(md, ctx.kv_caches, self.config, False)
         key = (size, ctx.metadata.is_decode_only)
-        with derived_context(static_ctx, config=self.config, breakable=False):
+        md = static.fill(ctx.metadata)
+        with derived_context(ctx, config=self.config, breakable=False, metadata=md) as static_ctx:
             entry = self.full_graphs.get(key)
             if entry is None:
                 entry = self.full_graphs[key] = cudagraph.capture_graph(self.full, staged, self.device, self.pool)
@@ -196,9 +195,9 @@ class StepRunner:
         bar = _progress(len(jobs), "fullcg: capturing CUDA graphs")
         for size, decode_only in jobs:
             md = cudagraph.dummy_metadata(size, decode_only or self.piecewise is None, page_size, self.device)
-            dummy = ForwardContext(md, ctx.kv_caches, ctx.config, False)
             staged = self.stager.dummy(args, size)
-            with derived_context(dummy, config=self.config, breakable=False), torch.inference_mode():
+            with derived_context(ctx, config=self.config, breakable=False, metadata=md) as dummy, \
+                    torch.inference_mode():
                 if self.choose(dummy) == "full" and self._full_capture_ok(dummy):
                     self._replay_full(dummy, staged, size)
                 elif self.piecewise is not None:
