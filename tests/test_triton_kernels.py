@@ -25,6 +25,7 @@ import fullcg.ops.impl.triton  # noqa: E402,F401  (registers the "triton" implem
 from fullcg import telemetry  # noqa: E402
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig  # noqa: E402
 from fullcg.context import ForwardMode  # noqa: E402
+from fullcg.ops.kernels import decode_attention  # noqa: E402
 
 from batches import Batch, make_batch, oracle  # noqa: E402
 
@@ -152,6 +153,41 @@ def test_decode_never_skips_the_first_tile_of_a_split():
 def test_decode_without_a_configured_split_walks_all_keys_in_one_run():
     b = batch("decode", **PEAKY)
     assert_same(b, SkipSoftmaxConfig(decode_scale_factor=4.0, **TILES))
+
+
+def _decode_kernel(b: Batch, num_splits: int | None, num_tokens: int | None = None):
+    """``(out, lse)`` of the dense decode kernel called directly on ``b``'s cache."""
+    md, cache = b.metadata, b.layer.kv_cache
+    out = torch.full_like(b.q, float("nan"))
+    lse = torch.full(b.q.shape[:2], float("nan"), device=DEVICE)
+    n = torch.tensor([md.num_tokens if num_tokens is None else num_tokens], dtype=torch.int32, device=DEVICE)
+    decode_attention(
+        b.q, cache.k, cache.v, out, lse, None, query_start_loc=md.query_start_loc, is_decode=md.is_decode,
+        scale=b.layer.scale, factor=None, tile_kv=TILES["tile_kv"], split_tiles=None,
+        max_kv_len=md.page_table.shape[1] * cache.page_size, page_table=md.page_table, seq_lens=md.seq_lens,
+        num_tokens=n, num_splits=num_splits,
+    )
+    return out, lse
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 64, None])
+def test_dense_decode_divides_each_request_into_its_own_runs(num_splits):
+    # Requests of 5, 1 and 3 tiles: more runs than tiles, fewer, and uneven divisions.
+    b = batch("decode")
+    ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
+    out, lse = _decode_kernel(b, num_splits)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_rows_past_the_real_token_count_are_zero():
+    # CUDA-graph padding: stand-in decode requests own the rows past the real count.
+    b = batch("decode")
+    ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
+    out, lse = _decode_kernel(b, num_splits=2, num_tokens=2)
+    torch.testing.assert_close(out[:2].float(), ref_out[:2].float(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse[:2], ref_lse[:2], atol=2e-5, rtol=2e-5)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:])) and torch.isneginf(lse[2:]).all()
 
 
 def test_a_factor_at_or_above_the_key_count_disables_skipping():

@@ -69,7 +69,8 @@ class TritonAttention:
         cfg = ctx.config.skip_softmax
         q, out = call.q, call.out
         dev = q.device
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=dev)
+        # Every row of lse is written: by the kernels for real rows, as -inf for padding.
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
         qloc = md.query_start_loc.to(dev)
         is_decode = md.is_decode.to(dev)
         prefill_factor, decode_factor = call.prefill_scale_factor, call.decode_scale_factor
@@ -97,12 +98,12 @@ class TritonAttention:
                 max_kv_len = q.shape[0]
             source = dict(kv_start_loc=kv_loc)
 
-        # Which kernels to launch is a host decision on the batch's modes. A CUDA graph
-        # captured for a batch that is not decode-only may be replayed for any mix, so it
-        # holds both kernels (each skips the other's requests on the device).
-        decode_only = md.is_decode_only
-        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not decode_only:
+        # The prefill kernel is left out of decode-only batches (a host decision: a CUDA
+        # graph captured for a mixed batch holds both kernels, each skipping the other's
+        # requests on the device). The decode kernels always run: they also write the
+        # padding rows (zeros, LSE -inf), reading the real token count on the device, so a
+        # replay with another count is right.
+        if not md.is_decode_only:
             prefill_attention(
                 q, k, v, out, lse, counters,
                 query_start_loc=qloc, is_decode=is_decode, scale=call.scale, causal=causal,
@@ -110,20 +111,13 @@ class TritonAttention:
                 prefix_lens=md.prefix_lens_tensor.to(dev) if cache is not None else None,
                 **source,
             )
-        if decode_only or capturing or any(m.is_decode for m in md.forward_modes):
-            decode_attention(
-                q, k, v, out, lse, counters,
-                query_start_loc=qloc, is_decode=is_decode, scale=call.scale, factor=decode_factor,
-                tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
-                **source,
-            )
-        # Padding rows (CUDA-graph padding) are zeroed so they never carry NaN or Inf; the
-        # real token count is read on the device, so a replay with another count is right.
-        dead = torch.arange(out.shape[0], device=dev) >= md.num_tokens_tensor.to(dev)
-        out.masked_fill_(dead[:, None, None], 0)
-        if not call.return_lse:
-            return None
-        return lse.masked_fill_(dead[:, None], float("-inf"))
+        decode_attention(
+            q, k, v, out, lse, counters,
+            query_start_loc=qloc, is_decode=is_decode, scale=call.scale, factor=decode_factor,
+            tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
+            num_tokens=md.num_tokens_tensor.to(dev), **source,
+        )
+        return lse if call.return_lse else None
 
 
 register_implementation(TritonAttention())

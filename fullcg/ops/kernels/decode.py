@@ -6,9 +6,16 @@ request and one run of ``SPLIT_TILES`` tiles; the first tile of every run is nev
 It writes a normalised partial output and its log2 LSE to a workspace, and the merge
 kernel combines a request's runs into ``out`` and the natural-log LSE.
 
-The workspace and both grids are sized from shapes and fixed bounds (the page table's
-capacity or k/v's rows), so the launch is safe under CUDA graph capture; programs past a
-request's own split count exit at once.
+Dense decode (no skip factor, no configured split) splits every request's keys into a
+fixed *number* of runs, sized on the device from the request's own length: a CUDA graph
+captured against a large cache capacity still spreads a short context over the SMs.
+Skip-softmax decode splits into runs of a fixed number of *tiles* (the skip rule's unit),
+so its grid is sized from the capacity and programs past a request's splits exit at once.
+
+The merge kernel also owns the padding rows of a batch: rows at or past the real token
+count (CUDA-graph stand-in requests) and rows no request owns come out as zeros with LSE
+-inf, so callers need no masking pass. Workspace and grids are sized from shapes and fixed
+bounds, so the launch is safe under CUDA graph capture.
 """
 
 from __future__ import annotations
@@ -21,13 +28,13 @@ import triton.language as tl
 
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
-__all__ = ["decode_attention", "DENSE_SPLIT_TILES"]
+__all__ = ["decode_attention", "MAX_DENSE_SPLITS"]
 
 _LOG2E = 1.4426950408889634
 
-#: Tiles per split for dense decode when the config sets no split (dense results do not
-#: depend on the split, so the kernel picks one that fills the GPU).
-DENSE_SPLIT_TILES = 16
+#: Most runs one request's keys are split into for dense decode (dense results do not
+#: depend on the split, so the launcher picks a count that fills the GPU, up to this).
+MAX_DENSE_SPLITS = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,15 +45,23 @@ def _sm_count(device: torch.device) -> int:
 
 
 @triton.jit
+def _split_tiles(n_tiles, num_splits, SPLIT_TILES: tl.constexpr):
+    """Tiles per run: fixed (SPLIT_TILES > 0) or the request's tiles over ``num_splits`` runs."""
+    if SPLIT_TILES > 0:
+        return n_tiles * 0 + SPLIT_TILES
+    return tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, PartOut, PartLse, Ctr,
-    PageTable, QLoc, KvLoc, SeqLens, IsDecode,
+    PageTable, QLoc, KvLoc, SeqLens, IsDecode, NumTokens,
     stride_qt, stride_qh, stride_ps, stride_pr,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
-    qk_scale2, factor,
+    qk_scale2, factor, num_splits,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SKIP: tl.constexpr, DOT_F32: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SKIP: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -54,6 +69,8 @@ def _decode_split_kernel(
     if tl.load(IsDecode + req) == 0:
         return
     q_row = tl.load(QLoc + req).to(tl.int64)
+    if q_row >= tl.load(NumTokens):
+        return  # a padding row: the merge kernel zeroes it
     if PAGED:
         kv_len = tl.load(SeqLens + req)
         kv_start = 0
@@ -61,10 +78,11 @@ def _decode_split_kernel(
         kv_start = tl.load(KvLoc + req)
         kv_len = tl.load(KvLoc + req + 1) - kv_start
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    first = split * SPLIT_TILES
+    split_tiles = _split_tiles(n_tiles, num_splits, SPLIT_TILES)
+    first = split * split_tiles
     if first >= n_tiles:
         return
-    last = tl.minimum(first + SPLIT_TILES, n_tiles)
+    last = tl.minimum(first + split_tiles, n_tiles)
     # Tiles before the request's last one are full: no mask needed there.
     n_full = tl.minimum(last, kv_len // BLOCK_N)
 
@@ -121,13 +139,26 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     PartOut, PartLse, Out, Lse,
-    QLoc, KvLoc, SeqLens, IsDecode,
+    QLoc, KvLoc, SeqLens, IsDecode, NumTokens,
+    num_requests, num_rows, num_splits,
     stride_ot, stride_oh, stride_lt, stride_ps, stride_pr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
     BLOCK_S: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     req = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kvh * GROUP + g
+    offs_dv = tl.arange(0, HEAD_DV)
+    if req == num_requests:
+        # The extra program: rows past the last request's (padding no request owns).
+        zeros = tl.zeros([BLOCK_G, HEAD_DV], dtype=Out.dtype.element_ty)
+        for row in range(tl.load(QLoc + num_requests), num_rows):
+            row64 = tl.zeros([1], dtype=tl.int64) + row
+            tl.store(Out + row64 * stride_ot + head[:, None] * stride_oh + offs_dv[None, :], zeros, mask=g_ok[:, None])
+            tl.store(Lse + row64 * stride_lt + head, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_ok)
+        return
     if tl.load(IsDecode + req) == 0:
         return
     q_row = tl.load(QLoc + req).to(tl.int64)
@@ -135,11 +166,9 @@ def _decode_merge_kernel(
         kv_len = tl.load(SeqLens + req)
     else:
         kv_len = tl.load(KvLoc + req + 1) - tl.load(KvLoc + req)
-    n_splits = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLIT_TILES)
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    head = kvh * GROUP + g
-    offs_dv = tl.arange(0, HEAD_DV)
+    n_tiles = tl.cdiv(kv_len, BLOCK_N)
+    # Padding rows (stand-in requests past the real token count) have no splits: zeros.
+    n_splits = tl.where(q_row < tl.load(NumTokens), tl.cdiv(n_tiles, _split_tiles(n_tiles, num_splits, SPLIT_TILES)), 0)
     base = req.to(tl.int64) * stride_pr
     # Online merge over chunks of BLOCK_S splits (a request may have many).
     m = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
@@ -184,6 +213,8 @@ def decode_attention(
     page_table: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
     kv_start_loc: torch.Tensor | None = None,
+    num_tokens: torch.Tensor | None = None,
+    num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
@@ -191,9 +222,13 @@ def decode_attention(
 
     ``k``/``v`` are the paged cache (with ``page_table`` and ``seq_lens``) or ragged rows
     (with ``kv_start_loc``), as in :func:`fullcg.ops.kernels.prefill.prefill_attention`.
-    ``max_kv_len`` is a fixed upper bound on any request's keys (not read off the device);
-    it sizes the split grid and workspace. ``split_tiles`` None means one run over all keys
-    when skipping (the reference's unsplit walk) and :data:`DENSE_SPLIT_TILES` when dense.
+    ``max_kv_len`` is a fixed upper bound on any request's keys (not read off the device).
+    ``split_tiles`` (skip-softmax runs) None means one run over all keys when skipping, the
+    reference's unsplit walk. Dense decode splits each request into ``num_splits`` runs
+    (default: enough programs to fill the GPU, at most :data:`MAX_DENSE_SPLITS`).
+
+    ``num_tokens`` (``int32 [1]``, default: all rows) is the real token count: rows at or
+    past it, and rows no request owns, are written as zeros with LSE -inf.
     """
     src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
     num_requests = query_start_loc.shape[0] - 1
@@ -204,20 +239,25 @@ def decode_attention(
     if skip and counters is None:
         raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
     max_tiles = max(1, triton.cdiv(max_kv_len, tile_kv))
-    if split_tiles is None:
-        if skip:
-            # Skipping without a configured split: one run over all keys, as the reference walks them.
-            split_tiles = triton.next_power_of_2(max_tiles)
-        else:
-            # Dense: enough splits to give every SM work even at batch 1 (a small batch
-            # with few KV heads would otherwise leave most of the GPU idle), at most
-            # DENSE_SPLIT_TILES tiles each. Sized from shapes only: CUDA-graph safe.
-            wanted = max(1, triton.cdiv(2 * _sm_count(q.device), num_kv_heads * max(1, num_requests)))
-            split_tiles = min(DENSE_SPLIT_TILES, triton.next_power_of_2(triton.cdiv(max_tiles, wanted)))
-    # A split longer than any request is one run over all keys: cap it so the constexpr
-    # (and the compiled variant) does not change with the cache size.
-    split_tiles = min(split_tiles, triton.next_power_of_2(max_tiles))
-    max_splits = triton.cdiv(max_tiles, split_tiles)
+    if skip or split_tiles is not None:
+        # Runs of a fixed number of tiles: the skip rule's "first tile of a run" depends on
+        # it. Without a configured split, one run over all keys (the reference's walk).
+        # Capped so the constexpr (and the compiled variant) does not grow with the cache.
+        cap = triton.next_power_of_2(max_tiles)
+        split_tiles = min(split_tiles if split_tiles is not None else cap, cap)
+        max_splits = triton.cdiv(max_tiles, split_tiles)
+        num_splits = max_splits
+    else:
+        # Dense: a fixed number of runs per request, each request's own length divided on
+        # the device. Enough programs to give every SM work at small batch (few KV heads
+        # would otherwise leave most of the GPU idle), sized from shapes only.
+        if num_splits is None:
+            num_splits = triton.cdiv(2 * _sm_count(q.device), num_kv_heads * max(1, num_requests))
+        num_splits = max(1, min(num_splits, max_tiles, MAX_DENSE_SPLITS))
+        split_tiles = 0
+        max_splits = num_splits
+    if num_tokens is None:
+        num_tokens = torch.full((1,), q.shape[0], dtype=torch.int32, device=q.device)
     part_out = torch.empty((num_requests, max_splits, num_q_heads, head_dim_v), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_requests, max_splits, num_q_heads), dtype=torch.float32, device=q.device)
     if not src.paged:
@@ -226,18 +266,19 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(max_splits, num_kv_heads, num_requests)](
         q, k, v, part_out, part_lse, ctr,
-        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode,
+        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
         q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
         *src.strides, src.stride_page_table,
-        scale * _LOG2E, float(factor) if skip else 0.0,
+        scale * _LOG2E, float(factor) if skip else 0.0, num_splits,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
         HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=src.paged, PAGE_SIZE=src.page_size,
         SKIP=skip, DOT_F32=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
-    _decode_merge_kernel[(num_kv_heads, num_requests)](
+    _decode_merge_kernel[(num_kv_heads, num_requests + 1)](
         part_out, part_lse, out, lse,
-        query_start_loc, src.kv_start_loc, seq_lens, is_decode,
+        query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
+        num_requests, q.shape[0], num_splits,
         out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
         BLOCK_S=min(16, triton.next_power_of_2(max_splits)), HEAD_DV=head_dim_v, PAGED=src.paged,
