@@ -58,6 +58,27 @@ def kernel_table(fn, steps: int) -> list[tuple[str, float, float]]:
     return rows
 
 
+def print_host_profile(fn, top: int, steps: int = 50) -> None:
+    """cProfile's functions with the most own time over ``steps`` calls (microseconds per call)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+        torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+    print("  host, per step:   own us   cumulative us   calls   function")
+    for (file, line, name), (_, calls, own, cum, _) in rows:
+        where = f"{file.rsplit('/', 2)[-2:][-1]}:{line}({name})" if file != "~" else name
+        print(f"  {own / steps * 1e6:20.1f} {cum / steps * 1e6:15.1f} {calls / steps:7.1f}   {where[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3_8b", choices=["tiny", "mid", "llama3_8b"])
@@ -68,6 +89,7 @@ def main() -> None:
     ap.add_argument("--impl", default="triton")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--host-profile", action="store_true", help="also print cProfile's top host functions")
     args = ap.parse_args()
 
     dev = torch.device("cuda")
@@ -101,6 +123,8 @@ def main() -> None:
                       f"{dict(fullcg.graph_mode_counts())}", flush=True)
                 for name, per_step, us in kernel_table(step, args.steps)[: args.top]:
                     print(f"  {us:9.1f} us  {per_step:6.1f}x  {name[:110]}")
+                if args.host_profile:
+                    print_host_profile(step, args.top)
 
 
 if __name__ == "__main__":

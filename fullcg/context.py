@@ -243,7 +243,12 @@ class AttentionMetadata:
 
     @functools.cached_property
     def is_decode_only(self) -> bool:
-        return all(m.is_decode for m in self.forward_modes)
+        return all(self.decode_flags)
+
+    @functools.cached_property
+    def decode_flags(self) -> tuple[bool, ...]:
+        """Whether each request is in decode mode (host side of ``is_decode``)."""
+        return tuple(m is ForwardMode.DECODE for m in self.forward_modes)
 
     @functools.cached_property
     def query_starts(self) -> tuple[int, ...]:

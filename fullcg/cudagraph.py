@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fullcg.context import AttentionMetadata, ForwardMode
@@ -192,6 +193,11 @@ class StaticMetadata:
     Padded layout: the real requests first; then one-token stand-in requests (decode mode,
     one key in page 0, never saved: slot -1) that own the padding tokens; then empty
     requests. Host fields stay the real batch's, for implementations that plan on the host.
+
+    A refill is on the per-step path, so it is cheap: the small fields are written into one
+    pinned host buffer and reach the device in one asynchronous copy (the host waits only
+    if the previous refill's copy has not yet read that buffer), and the page table and
+    slot mapping clear only what the previous batch left behind.
     """
 
     def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
@@ -200,15 +206,30 @@ class StaticMetadata:
 
     def _allocate(self, size: int, max_pages: int, device: torch.device) -> None:
         self.size = size
-        # The int32 fields are views of one buffer: one host-to-device copy refills them all.
-        self._packed = torch.zeros(3 * size + 2, dtype=torch.int32, device=device)
-        self.query_start_loc = self._packed[: size + 1]
-        self.seq_lens = self._packed[size + 1 : 2 * size + 1]
-        self.prefix_lens = self._packed[2 * size + 1 : 3 * size + 1]
-        self.num_tokens = self._packed[3 * size + 1 :]
-        self.is_decode = torch.zeros(size, dtype=torch.bool, device=device)
+        # int32 query_start_loc | seq_lens | prefix_lens | num_tokens, then bool is_decode:
+        # views of one byte buffer, so one copy refills them all.
+        num_ints = 3 * size + 2
+        nbytes = 4 * num_ints + size
+        self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        ints = self._device_bytes[: 4 * num_ints].view(torch.int32)
+        self.query_start_loc = ints[: size + 1]
+        self.seq_lens = ints[size + 1 : 2 * size + 1]
+        self.prefix_lens = ints[2 * size + 1 : 3 * size + 1]
+        self.num_tokens = ints[3 * size + 1 :]
+        self.is_decode = self._device_bytes[4 * num_ints :].view(torch.bool)
+        self._host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._host_ints = self._host_bytes[: 4 * num_ints].view(torch.int32).numpy()
+        self._host_decode = self._host_bytes[4 * num_ints :].numpy()
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self._device_fields = dict(
+            page_table=self.page_table, slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens, prefix_lens_tensor=self.prefix_lens, is_decode=self.is_decode,
+            num_tokens_tensor=self.num_tokens,
+        )
+        self._table_rows = 0  # page-table rows the last batch wrote (the rest are zeros)
+        self._slots = 0  # slots the last batch wrote (the rest are -1)
 
     def fill(self, md: AttentionMetadata) -> AttentionMetadata:
         size, n, r = self.size, md.num_tokens, md.num_requests
@@ -217,30 +238,42 @@ class StaticMetadata:
             raise ValueError(
                 f"a request's page table has {width} columns but captured graphs allow {self.page_table.shape[1]}"
             )
-        pad_tokens = size - n
-        q_lens = list(md.query_lens) + [1] * pad_tokens + [0] * (size - r - pad_tokens)
-        qloc = [0]
-        for q in q_lens:
-            qloc.append(qloc[-1] + q)
-        seq = [q + p for q, p in zip(md.query_lens, md.prefix_lens)] + [1] * pad_tokens + [0] * (size - r - pad_tokens)
-        prefix = list(md.prefix_lens) + [0] * (size - r)
-        self._packed.copy_(torch.tensor(qloc + seq + prefix + [n], dtype=torch.int32))
-        decode = [m.is_decode for m in md.forward_modes] + [True] * pad_tokens + [False] * (size - r - pad_tokens)
-        self.is_decode.copy_(torch.tensor(decode, dtype=torch.bool))
+        pad = size - n  # stand-in requests, one token each; requests r + pad .. size - 1 are empty
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous refill's copy has read the host buffer
+        h = self._host_ints
+        h[: r + 1] = md.query_starts
+        h[r + 1 : r + 1 + pad] = np.arange(n + 1, size + 1)
+        h[r + 1 + pad : size + 1] = size
+        seq = h[size + 1 : 2 * size + 1]
+        seq[:r] = np.add(md.query_lens, md.prefix_lens)
+        seq[r : r + pad] = 1
+        seq[r + pad :] = 0
+        prefix = h[2 * size + 1 : 3 * size + 1]
+        prefix[:r] = md.prefix_lens
+        prefix[r:] = 0
+        h[3 * size + 1] = n
+        decode = self._host_decode
+        decode[:r] = md.decode_flags
+        decode[r : r + pad] = 1
+        decode[r + pad :] = 0
+        self._device_bytes.copy_(self._host_bytes, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.page_table[:r, :width].copy_(md.page_table)
-        self.page_table[r:].zero_()
+        if self._table_rows > r:
+            self.page_table[r : self._table_rows].zero_()
+        self._table_rows = r
         self.slot_mapping[:n].copy_(md.slot_mapping)
-        self.slot_mapping[n:].fill_(-1)
-        return dataclasses.replace(
-            md,
-            page_table=self.page_table,
-            slot_mapping=self.slot_mapping,
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            prefix_lens_tensor=self.prefix_lens,
-            is_decode=self.is_decode,
-            num_tokens_tensor=self.num_tokens,
-        )
+        if self._slots > n:
+            self.slot_mapping[n : self._slots].fill_(-1)
+        self._slots = n
+        # The batch with its device fields swapped for these buffers. A shallow copy, not
+        # dataclasses.replace: that re-runs __init__, a measurable part of a replay's host time.
+        static = object.__new__(AttentionMetadata)
+        static.__dict__.update(md.__dict__)
+        static.__dict__.update(self._device_fields)
+        return static
 
 
 def dummy_metadata(size: int, decode_only: bool, page_size: int, device: torch.device) -> AttentionMetadata:
