@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from fullcg.config import FullCGConfig
-from fullcg.kv_cache import KVCache, kv_cache_generation
+from fullcg.kv_cache import KVCache
 
 __all__ = [
     "ForwardMode",
@@ -294,8 +294,14 @@ def _publish() -> None:
 
 
 # Walking a model's modules every step costs ~0.1 ms on a 32-layer model; remember the
-# result until some layer allocates a new cache.
-_module_caches: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, dict[int, KVCache]]] = weakref.WeakKeyDictionary()
+# result until some layer gets a new cache. Cleared then (not just marked stale), so a
+# cache a model dropped is freed at once, not kept alive until the model's next step.
+_module_caches: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, KVCache]] = weakref.WeakKeyDictionary()
+
+
+def forget_kv_caches() -> None:
+    """Drop the remembered layer -> cache maps (a layer's cache changed)."""
+    _module_caches.clear()
 
 
 def _collect_kv_caches(source: object) -> dict[int, KVCache]:
@@ -305,8 +311,8 @@ def _collect_kv_caches(source: object) -> dict[int, KVCache]:
         return {}
     if isinstance(source, torch.nn.Module):
         cached = _module_caches.get(source)
-        if cached is not None and cached[0] == kv_cache_generation():
-            return cached[1]
+        if cached is not None:
+            return cached
         caches: dict[int, KVCache] = {}
         for name, mod in source.named_modules():
             if isinstance(mod, Attention) and mod.kv_cache is not None:
@@ -316,7 +322,7 @@ def _collect_kv_caches(source: object) -> dict[int, KVCache]:
                         "give every layer of a model its own layer_id"
                     )
                 caches[mod.layer_id] = mod.kv_cache
-        _module_caches[source] = (kv_cache_generation(), caches)
+        _module_caches[source] = caches
         return caches
     if isinstance(source, Mapping):
         for key, cache in source.items():

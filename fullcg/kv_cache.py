@@ -6,19 +6,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["KVCache", "kv_cache_generation"]
-
-_generation = 0
-
-
-def kv_cache_generation() -> int:
-    """Bumped whenever a layer gets a new cache, so cached layer -> cache maps are refreshed."""
-    return _generation
-
-
-def bump_kv_cache_generation() -> None:
-    global _generation
-    _generation += 1
+__all__ = ["KVCache"]
 
 
 @dataclasses.dataclass(eq=False)

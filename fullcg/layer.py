@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fullcg import context
-from fullcg.kv_cache import KVCache, bump_kv_cache_generation
+from fullcg.kv_cache import KVCache
 from fullcg.ops.attention import ATTENTION_OPS
 
 __all__ = ["Attention"]
@@ -92,7 +92,7 @@ class Attention(nn.Module):
                 f"Attention(layer_id={self.layer_id}): a KV cache of pages {tuple(cache.k.shape)} does not fit "
                 f"{self.num_kv_heads} kv heads of {self.head_dim}"
             )
-        bump_kv_cache_generation()
+        context.forget_kv_caches()
         self._kv_cache = cache
         if cache is not None:
             # Plain attributes, so traced code reads constants instead of lifting the cache tensors.

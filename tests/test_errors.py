@@ -119,6 +119,24 @@ def test_duplicate_layer_ids_in_one_model():
             pass
 
 
+def test_a_cache_a_model_drops_is_freed_and_a_new_one_is_seen():
+    import gc
+    import weakref
+
+    model = torch.nn.ModuleList([fullcg.Attention(2, 8, layer_id=0)])
+    old = weakref.ref(model[0].allocate_kv_cache(4, 4))
+    b = make_batch([1], [2])
+    with fullcg.forward_context(b.metadata, model) as ctx:
+        assert ctx.kv_caches[0] is old()
+    del ctx
+    model[0].kv_cache = None
+    gc.collect()
+    assert old() is None, "the step's layer -> cache map must not keep a dropped cache alive"
+    new = model[0].allocate_kv_cache(4, 4)
+    with fullcg.forward_context(b.metadata, model) as ctx:
+        assert ctx.kv_caches[0] is new
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
