@@ -137,8 +137,9 @@ def main() -> None:
     with torch.inference_mode():
         for b, c in ([] if args.peer_only else points):
             table[(b, c)]["eager"] = time_ms(step_fn(model, b, c, base), args.repeats)
-        print("eager: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)]['eager']:.2f} ms" for b, c in points), flush=True)
-        dump()
+        if not args.peer_only:
+            print("eager: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)]['eager']:.2f} ms" for b, c in points), flush=True)
+            dump()
 
         for mode in [] if args.peer_only else ["piecewise", "full"]:
             torch._dynamo.reset()
