@@ -52,7 +52,8 @@ def _split_tiles(n_tiles, num_splits, SPLIT_TILES: tl.constexpr):
     return tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
 
 
-@triton.jit
+# Counts that change with the batch are not specialised on: no recompile per batch size.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q, K, V, PartOut, PartLse, Ctr,
     PageTable, QLoc, KvLoc, SeqLens, IsDecode, NumTokens,
@@ -136,7 +137,7 @@ def _decode_split_kernel(
         tl.atomic_add(Ctr + 3, n_skipped.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests", "num_rows", "num_splits"])
 def _decode_merge_kernel(
     PartOut, PartLse, Out, Lse,
     QLoc, KvLoc, SeqLens, IsDecode, NumTokens,
@@ -281,6 +282,6 @@ def decode_attention(
         num_requests, q.shape[0], num_splits,
         out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
-        BLOCK_S=min(16, triton.next_power_of_2(max_splits)), HEAD_DV=head_dim_v, PAGED=src.paged,
+        BLOCK_S=16, HEAD_DV=head_dim_v, PAGED=src.paged,
         num_warps=4,
     )
