@@ -209,13 +209,14 @@ class StaticMetadata:
         # int32 query_start_loc | seq_lens | prefix_lens | num_tokens, then bool is_decode:
         # views of one byte buffer, so one copy refills them all.
         num_ints = 3 * size + 2
+        num_ints += -num_ints % 4  # is_decode starts 16-byte aligned, whatever the size
         nbytes = 4 * num_ints + size
         self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         ints = self._device_bytes[: 4 * num_ints].view(torch.int32)
         self.query_start_loc = ints[: size + 1]
         self.seq_lens = ints[size + 1 : 2 * size + 1]
         self.prefix_lens = ints[2 * size + 1 : 3 * size + 1]
-        self.num_tokens = ints[3 * size + 1 :]
+        self.num_tokens = ints[3 * size + 1 : 3 * size + 2]
         self.is_decode = self._device_bytes[4 * num_ints :].view(torch.bool)
         self._host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self._host_ints = self._host_bytes[: 4 * num_ints].view(torch.int32).numpy()
@@ -259,7 +260,7 @@ class StaticMetadata:
         decode[r + pad :] = 0
         self._device_bytes.copy_(self._host_bytes, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self._device_bytes.device))  # the copy's stream
         self.page_table[:r, :width].copy_(md.page_table)
         if self._table_rows > r:
             self.page_table[r : self._table_rows].zero_()
@@ -270,6 +271,7 @@ class StaticMetadata:
         self._slots = n
         # The batch with its device fields swapped for these buffers. A shallow copy, not
         # dataclasses.replace: that re-runs __init__, a measurable part of a replay's host time.
+        # Cached properties come along; they must derive from host fields only.
         static = object.__new__(AttentionMetadata)
         static.__dict__.update(md.__dict__)
         static.__dict__.update(self._device_fields)

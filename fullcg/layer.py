@@ -92,11 +92,11 @@ class Attention(nn.Module):
                 f"Attention(layer_id={self.layer_id}): a KV cache of pages {tuple(cache.k.shape)} does not fit "
                 f"{self.num_kv_heads} kv heads of {self.head_dim}"
             )
-        context.forget_kv_caches()
         self._kv_cache = cache
         if cache is not None:
             # Plain attributes, so traced code reads constants instead of lifting the cache tensors.
             self._kv_dtype, self._kv_device = cache.k.dtype, cache.k.device
+        context.forget_kv_caches()
 
     def _as_3d(self, x: torch.Tensor, name: str, heads: int, dim: int) -> torch.Tensor:
         if x.dim() == 2 and x.shape[1] == heads * dim:

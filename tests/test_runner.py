@@ -52,6 +52,20 @@ def test_static_metadata_pads_requests_and_keeps_its_addresses():
     assert md2.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8] and md2.num_tokens_tensor.item() == 1
 
 
+def test_static_metadata_refills_clear_what_a_larger_batch_left():
+    static = cudagraph.StaticMetadata(size=8, max_pages=6, device=torch.device("cpu"))
+    large, small = make_batch([1] * 5, [3, 4, 5, 6, 7]).metadata, make_batch([2], [4]).metadata
+    static.fill(large)
+    md = static.fill(small)
+    assert (md.page_table[1:] == 0).all(), "stand-in and empty requests read page 0"
+    assert (md.slot_mapping[2:] == -1).all(), "padding tokens are never saved"
+    assert md.seq_lens.tolist() == [6, 1, 1, 1, 1, 1, 1, 0] and md.num_tokens_tensor.item() == 2
+    assert md.page_table is static.page_table and small.page_table is not static.page_table
+    md = static.fill(large)
+    assert md.slot_mapping[:5].tolist() == large.slot_mapping.tolist()
+    assert md.is_decode.tolist() == [True] * 8 and md.is_decode_only
+
+
 def test_stand_in_batches_write_nothing_to_the_cache():
     md = cudagraph.dummy_metadata(4, decode_only=True, page_size=16, device=torch.device("cpu"))
     assert md.is_decode_only and (md.slot_mapping == -1).all()

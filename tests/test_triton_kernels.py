@@ -180,6 +180,14 @@ def test_dense_decode_divides_each_request_into_its_own_runs(num_splits):
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("use_kv_cache", [True, False], ids=["cache", "ragged"])
+def test_dense_decode_spread_over_many_sms_matches_the_reference(monkeypatch, use_kv_cache):
+    # The CPU reports one SM, so the layer path would use one run; pretend to be an H200.
+    monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: 132)
+    assert_same(batch("mixed"), SkipSoftmaxConfig(**TILES), use_kv_cache=use_kv_cache)
+    assert_same(batch("decode"), SkipSoftmaxConfig(**TILES), use_kv_cache=use_kv_cache)
+
+
 def test_decode_rows_past_the_real_token_count_are_zero():
     # CUDA-graph padding: stand-in decode requests own the rows past the real count.
     b = batch("decode")
@@ -242,8 +250,9 @@ def test_merging_prefix_chunks_is_exact(chunk_tokens):
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
-def test_padded_rows_of_kv_are_never_read_and_padded_outputs_are_zero():
-    b = batch("mixed")
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_padded_rows_of_kv_are_never_read_and_padded_outputs_are_zero(name):
+    b = batch(name)
     rows, pad = b.k.shape[0], 3
     k = torch.cat([b.k, torch.full((pad, *b.k.shape[1:]), float("nan"), device=DEVICE)])
     v = torch.cat([b.v, torch.full((pad, *b.v.shape[1:]), 1e30, device=DEVICE)])

@@ -98,11 +98,12 @@ class TritonAttention:
                 max_kv_len = q.shape[0]
             source = dict(kv_start_loc=kv_loc)
 
-        # The prefill kernel is left out of decode-only batches (a host decision: a CUDA
-        # graph captured for a mixed batch holds both kernels, each skipping the other's
-        # requests on the device). The decode kernels always run: they also write the
-        # padding rows (zeros, LSE -inf), reading the real token count on the device, so a
-        # replay with another count is right.
+        # Which kernels run is a host decision on the batch's modes; a CUDA graph captured
+        # for a batch that is not decode-only may be replayed for any mix, so it holds both
+        # kernels (each skips the other's requests on the device). The decode merge kernel
+        # always runs: it writes the padding rows (zeros, LSE -inf), reading the real token
+        # count on the device, so a replay with another count is right.
+        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not md.is_decode_only:
             prefill_attention(
                 q, k, v, out, lse, counters,
@@ -115,7 +116,7 @@ class TritonAttention:
             q, k, v, out, lse, counters,
             query_start_loc=qloc, is_decode=is_decode, scale=call.scale, factor=decode_factor,
             tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
-            num_tokens=md.num_tokens_tensor.to(dev), **source,
+            num_tokens=md.num_tokens_tensor.to(dev), has_decode=capturing or any(md.decode_flags), **source,
         )
         return lse if call.return_lse else None
 

@@ -2,7 +2,7 @@
 
 A decode request has one query token. One program of the split kernel takes one KV head
 (all ``GROUP`` query heads sharing it, so they share each tile's skip decision), one
-request and one run of ``SPLIT_TILES`` tiles; the first tile of every run is never skipped.
+request and one run of its keys; the first tile of every run is never skipped.
 It writes a normalised partial output and its log2 LSE to a workspace, and the merge
 kernel combines a request's runs into ``out`` and the natural-log LSE.
 
@@ -216,6 +216,7 @@ def decode_attention(
     kv_start_loc: torch.Tensor | None = None,
     num_tokens: torch.Tensor | None = None,
     num_splits: int | None = None,
+    has_decode: bool = True,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
@@ -230,6 +231,9 @@ def decode_attention(
 
     ``num_tokens`` (``int32 [1]``, default: all rows) is the real token count: rows at or
     past it, and rows no request owns, are written as zeros with LSE -inf.
+    ``has_decode=False`` promises the batch has no decode request (a host fact; never when
+    capturing a graph that may be replayed for other batches): only the padding rows are
+    written, with no split launch and no workspace.
     """
     src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
     num_requests = query_start_loc.shape[0] - 1
@@ -259,23 +263,26 @@ def decode_attention(
         max_splits = num_splits
     if num_tokens is None:
         num_tokens = torch.full((1,), q.shape[0], dtype=torch.int32, device=q.device)
+    if not has_decode:
+        max_splits = 1  # nothing reads the workspace: the merge kernel only writes padding rows
     part_out = torch.empty((num_requests, max_splits, num_q_heads, head_dim_v), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_requests, max_splits, num_q_heads), dtype=torch.float32, device=q.device)
     if not src.paged:
         seq_lens = query_start_loc  # unused
     ctr = counters if skip else part_lse  # unused unless skip
     block_m = max(16, triton.next_power_of_2(group))
-    _decode_split_kernel[(max_splits, num_kv_heads, num_requests)](
-        q, k, v, part_out, part_lse, ctr,
-        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
-        q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
-        *src.strides, src.stride_page_table,
-        scale * _LOG2E, float(factor) if skip else 0.0, num_splits,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
-        HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=src.paged, PAGE_SIZE=src.page_size,
-        SKIP=skip, DOT_F32=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    if has_decode:
+        _decode_split_kernel[(max_splits, num_kv_heads, num_requests)](
+            q, k, v, part_out, part_lse, ctr,
+            src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
+            q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
+            *src.strides, src.stride_page_table,
+            scale * _LOG2E, float(factor) if skip else 0.0, num_splits,
+            GROUP=group, BLOCK_M=block_m, BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
+            HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=src.paged, PAGE_SIZE=src.page_size,
+            SKIP=skip, DOT_F32=q.dtype == torch.float32,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     _decode_merge_kernel[(num_kv_heads, num_requests + 1)](
         part_out, part_lse, out, lse,
         query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
