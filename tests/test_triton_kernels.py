@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed; `pip install triton` runs these tests on the CPU")
 
 import fullcg  # noqa: E402
+from fullcg import cudagraph  # noqa: E402
 import fullcg.ops.impl.triton  # noqa: E402,F401  (registers the "triton" implementation)
 from fullcg import telemetry  # noqa: E402
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig  # noqa: E402
@@ -265,6 +266,25 @@ def test_padded_rows_of_kv_are_never_read_and_padded_outputs_are_zero(name):
         torch.testing.assert_close(lse[:rows], ref_lse, atol=2e-5, rtol=2e-5)
         assert torch.equal(out[rows:], torch.zeros_like(out[rows:])), "padded output rows must be zero"
         assert torch.isneginf(lse[rows:]).all(), "padded LSE rows must be -inf"
+
+
+@pytest.mark.parametrize("name", ["decode", "mixed"])
+def test_padded_static_metadata_gives_the_real_rows_and_zero_padding(name):
+    # What a full CUDA graph replays: the batch padded with stand-in and empty requests.
+    b = batch(name)
+    n, size = b.metadata.num_tokens, b.metadata.num_tokens + 3
+    static = cudagraph.StaticMetadata(size, max_pages=b.metadata.page_table.shape[1] + 2, device=DEVICE)
+    padded_md = static.fill(b.metadata)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, torch.full((size - n, *t.shape[1:]), float("nan"), dtype=t.dtype, device=DEVICE)])
+
+    ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
+    padded = dataclasses.replace(b, metadata=padded_md, q=pad(b.q), k=pad(b.k), v=pad(b.v))
+    out, lse, _ = run(padded, "triton", SkipSoftmaxConfig(**TILES))
+    torch.testing.assert_close(out[:n], ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse[:n], ref_lse, atol=2e-5, rtol=2e-5)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])) and torch.isneginf(lse[n:]).all()
 
 
 @pytest.mark.parametrize(
