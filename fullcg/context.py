@@ -251,6 +251,10 @@ class AttentionMetadata:
         return tuple(m is ForwardMode.DECODE for m in self.forward_modes)
 
     @functools.cached_property
+    def has_decode(self) -> bool:
+        return any(self.decode_flags)
+
+    @functools.cached_property
     def query_starts(self) -> tuple[int, ...]:
         out = [0]
         for n in self.query_lens:

@@ -221,6 +221,7 @@ class StaticMetadata:
         self._host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self._host_ints = self._host_bytes[: 4 * num_ints].view(torch.int32).numpy()
         self._host_decode = self._host_bytes[4 * num_ints :].numpy()
+        self._device = device
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
@@ -260,7 +261,7 @@ class StaticMetadata:
         decode[r + pad :] = 0
         self._device_bytes.copy_(self._host_bytes, non_blocking=True)
         if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self._device_bytes.device))  # the copy's stream
+            self._copied.record(torch.cuda.current_stream(self._device))  # the copy's stream
         self.page_table[:r, :width].copy_(md.page_table)
         if self._table_rows > r:
             self.page_table[r : self._table_rows].zero_()

@@ -116,7 +116,7 @@ class TritonAttention:
             q, k, v, out, lse, counters,
             query_start_loc=qloc, is_decode=is_decode, scale=call.scale, factor=decode_factor,
             tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
-            num_tokens=md.num_tokens_tensor.to(dev), has_decode=capturing or any(md.decode_flags), **source,
+            num_tokens=md.num_tokens_tensor.to(dev), has_decode=capturing or md.has_decode, **source,
         )
         return lse if call.return_lse else None
 
