@@ -15,6 +15,7 @@ inside a full graph, and whether piecewise steps are host-bound.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -75,7 +76,7 @@ def print_host_profile(fn, top: int, steps: int = 50) -> None:
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
     print("  host, per step:   own us   cumulative us   calls   function")
     for (file, line, name), (_, calls, own, cum, _) in rows:
-        where = f"{file.rsplit('/', 2)[-2:][-1]}:{line}({name})" if file != "~" else name
+        where = f"{os.path.basename(file)}:{line}({name})" if file != "~" else name
         print(f"  {own / steps * 1e6:20.1f} {cum / steps * 1e6:15.1f} {calls / steps:7.1f}   {where[:90]}")
 
 
