@@ -8,10 +8,12 @@ step time over ``--repeats`` of
 
 - ``eager``: the model uncompiled (fullcg.Attention with the chosen implementation);
 - ``peer``: gpt-fast style static KV cache + SDPA under ``torch.compile(mode="reduce-overhead")``;
-- ``piecewise`` and ``full``: ``torch.compile(model, backend="fullcg")`` in those graph modes;
+- ``piecewise``, ``full`` and ``default``: ``torch.compile(model, backend="fullcg")`` in the
+  graph modes ``piecewise``, ``full`` and the default policy (``auto``);
 
 plus the bandwidth floor (weights + KV bytes read per step over measured copy bandwidth),
-compile and capture times, graph pool memory, and prefill / mixed step times.
+compile and capture times, graph pool memory, and mixed / prefill steps in every mode
+(``mixed_ms`` rows: ``name``, ``tokens``, ``eager``, ``piecewise``, ``full``, ``default``).
 """
 
 from __future__ import annotations
@@ -83,11 +85,14 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--peer-batches", type=int, nargs="+", default=[1, 64], help="peer recompiles per shape")
-    ap.add_argument("--capture-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
+    ap.add_argument("--capture-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64, 128, 256])
     ap.add_argument("--impl", default="triton", help="attention implementation for eager and fullcg")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None, help="write all figures as JSON here")
     ap.add_argument("--peer-only", action="store_true", help="time only the peer (and the floor)")
+    ap.add_argument("--no-peer", action="store_true", help="skip the peer (it compiles for minutes)")
+    ap.add_argument("--modes", nargs="+", default=["piecewise", "full", "default"],
+                    help="fullcg graph modes to time ('default' is the default policy)")
     args = ap.parse_args()
 
     dev = torch.device("cuda")
@@ -113,11 +118,27 @@ def main() -> None:
 
     base = fullcg.FullCGConfig(attention_impl=args.impl, capture_sizes=tuple(args.capture_sizes))
     points = [(b, c) for c in args.contexts for b in args.batches]
+    mixed_steps = [
+        ("mixed 1x32 extend + 31 decode", [32] + [1] * 31, [256] * 32),
+        ("mixed 1x224 extend + 32 decode", [224] + [1] * 32, [256] * 33),
+        ("prefill 1x256", [256], [0]),
+        ("prefill 4x512 (uncaptured)", [512] * 4, [0] * 4),
+    ]
+    mixed: dict[str, dict[str, float]] = {name: {"tokens": sum(lens)} for name, lens, _ in mixed_steps}
+
+    def mixed_inputs(lens, prefixes):
+        md = prefill_metadata(lens, prefixes, dev)
+        ids = torch.randint(0, cfg.vocab_size, (sum(lens),), device=dev)
+        pos = torch.cat([torch.arange(p, p + q) for q, p in zip(lens, prefixes)]).to(dev)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        return md, ids, pos
     table: dict[tuple[int, int], dict[str, float]] = {p: {"floor": floor_ms(*p)} for p in points}
 
     def dump() -> None:  # after every phase, so a run cut short still leaves its figures
         if args.out:
-            partial = {**results, "decode_ms_partial": [{"batch": b, "context": c, **t} for (b, c), t in table.items()]}
+            partial = {**results, "decode_ms_partial": [{"batch": b, "context": c, **t} for (b, c), t in table.items()],
+                       "mixed_ms_partial": [{"name": k, **v} for k, v in mixed.items()]}
             with open(args.out, "w") as f:
                 json.dump(partial, f, indent=1, default=str)
 
@@ -139,11 +160,19 @@ def main() -> None:
             table[(b, c)]["eager"] = time_ms(step_fn(model, b, c, base), args.repeats)
         if not args.peer_only:
             print("eager: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)]['eager']:.2f} ms" for b, c in points), flush=True)
+            for name, lens, prefixes in mixed_steps:
+                md, ids, pos = mixed_inputs(lens, prefixes)
+
+                def run_eager(md=md, ids=ids, pos=pos):
+                    with fullcg.forward_context(md, model, config=base):
+                        return model(ids, pos)
+
+                mixed[name]["eager"] = time_ms(run_eager, args.repeats)
             dump()
 
-        for mode in [] if args.peer_only else ["piecewise", "full"]:
+        for mode in [] if args.peer_only else args.modes:
             torch._dynamo.reset()
-            config = base.replace(graph_mode=mode)
+            config = base.replace(graph_mode="auto" if mode == "default" else mode)
             backend = fullcg.Backend(config)
             compiled = torch.compile(model, backend=backend)
             before = torch.cuda.memory_reserved(dev)
@@ -168,24 +197,18 @@ def main() -> None:
             print(f"{mode}: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)][mode]:.2f} ms" for b, c in points), flush=True)
             dump()
 
-            if mode == "piecewise":  # prefill and mixed steps, piecewise vs eager
-                for name, lens, prefixes in [
-                    ("prefill 4x512", [512] * 4, [0] * 4),
-                    ("mixed 1x32 extend + 31 decode", [32] + [1] * 31, [256] * 32),
-                ]:
-                    md = prefill_metadata(lens, prefixes, dev)
-                    n = sum(lens)
-                    ids = torch.randint(0, cfg.vocab_size, (n,), device=dev)
-                    pos = torch.cat([torch.arange(p, p + q) for q, p in zip(lens, prefixes)]).to(dev)
+            fullcg.reset_graph_mode_counts()
+            for name, lens, prefixes in mixed_steps:
+                md, ids, pos = mixed_inputs(lens, prefixes)
 
-                    def run(fn, cfg_=config):
-                        with fullcg.forward_context(md, model, config=cfg_):
-                            return fn(ids, pos)
+                def run(md=md, ids=ids, pos=pos, fn=compiled, cfg_=config):
+                    with fullcg.forward_context(md, model, config=cfg_):
+                        return fn(ids, pos)
 
-                    results[f"{name}: eager ms"] = time_ms(lambda: run(model, base), args.repeats)
-                    results[f"{name}: piecewise ms"] = time_ms(lambda: run(compiled), args.repeats)
-                    print(f"{name}: eager {results[f'{name}: eager ms']:.2f} ms, "
-                          f"piecewise {results[f'{name}: piecewise ms']:.2f} ms", flush=True)
+                mixed[name][mode] = time_ms(run, args.repeats)
+            results[f"{mode}_mixed_steps"] = dict(fullcg.graph_mode_counts())
+            print(f"{mode}: " + ", ".join(f"{name} {mixed[name][mode]:.2f} ms" for name, _, _ in mixed_steps), flush=True)
+            dump()
             del compiled, backend
 
         # The peer needs its own static cache; free ours first.
@@ -194,7 +217,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         from peer import PeerDecoder
 
-        for c in args.contexts:
+        for c in [] if args.no_peer else args.contexts:
             for b in args.peer_batches:
                 torch._dynamo.reset()
                 peer = PeerDecoder(model, b, c + 16)
@@ -215,29 +238,33 @@ def main() -> None:
                 torch.cuda.empty_cache()
         print("peer done", flush=True)
 
-    rows = []
     if args.peer_only:
         print(json.dumps({f"{b}/{c}": t for (b, c), t in table.items()}, indent=1))
         dump()
         return
-    header = "| batch | context | floor | eager | peer | piecewise | full | full / floor | full vs peer | piecewise / full |"
-    print(header)
+    rows = []
+    def ms(t: dict, key: str) -> str:
+        return f"{t[key]:.2f}" if key in t else "-"
+
+    print("| batch | context | floor | eager | peer | piecewise | full | default | full / floor | piecewise / full |")
     print("|" + "---|" * 10)
     for (b, c), t in table.items():
-        peer = t.get("peer")
-        line = (
-            f"| {b} | {c} | {t['floor']:.2f} | {t['eager']:.2f} | {peer:.2f} | " if peer else
-            f"| {b} | {c} | {t['floor']:.2f} | {t['eager']:.2f} | - | "
-        )
-        line += (
-            f"{t['piecewise']:.2f} | {t['full']:.2f} | {t['floor'] / t['full']:.0%} | "
-            + (f"{peer / t['full']:.2f}x | " if peer else "- | ")
-            + f"{t['piecewise'] / t['full']:.2f} |"
-        )
-        print(line)
+        ratio = f"{t['piecewise'] / t['full']:.2f}" if "piecewise" in t and "full" in t else "-"
+        floor = f"{t['floor'] / t['full']:.0%}" if "full" in t else "-"
+        print(f"| {b} | {c} | {t['floor']:.2f} | {ms(t, 'eager')} | {ms(t, 'peer')} | {ms(t, 'piecewise')} | "
+              f"{ms(t, 'full')} | {ms(t, 'default')} | {floor} | {ratio} |")
         rows.append({"batch": b, "context": c, **t})
+    print("| step | tokens | eager | piecewise | full | default | piecewise / full | default / best |")
+    print("|" + "---|" * 8)
+    for name, t in mixed.items():
+        best = min((t[m] for m in ("piecewise", "full") if m in t), default=None)
+        print(f"| {name} | {t['tokens']} | {ms(t, 'eager')} | {ms(t, 'piecewise')} | {ms(t, 'full')} | "
+              f"{ms(t, 'default')} | "
+              + (f"{t['piecewise'] / t['full']:.2f} | " if "piecewise" in t and "full" in t else "- | ")
+              + (f"{t['default'] / best:.2f} |" if best and "default" in t else "- |"))
+    results["mixed_ms"] = [{"name": name, **t} for name, t in mixed.items()]
     results["decode_ms"] = rows
-    print(json.dumps({k: v for k, v in results.items() if k != "decode_ms"}, indent=1, default=str))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("decode_ms", "mixed_ms")}, indent=1, default=str))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, default=str)

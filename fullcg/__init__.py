@@ -17,7 +17,8 @@ Importing fullcg registers the ``torch.ops.fullcg`` ops.
 
 from fullcg.backend import Backend
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig
-from fullcg.context import AttentionMetadata, ForwardMode, forward_context, get_forward_context
+from fullcg.context import forward_context, get_forward_context
+from fullcg.metadata import AttentionMetadata, ForwardMode
 from fullcg.kv_cache import KVCache
 from fullcg.layer import Attention
 from fullcg.ops import merge_attn_states

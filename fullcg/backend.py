@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
-from fullcg.config import FullCGConfig
+from fullcg.config import FullCGConfig, GraphMode
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
@@ -99,7 +99,7 @@ def _token_layout(
 ) -> tuple[InputStager | None, tuple[bool, ...] | None]:
     """Which inputs and outputs carry the (symbolic) token dimension, and persistent
     buffers for the inputs, sized for the largest capture size."""
-    if device.type != "cuda" or config.graph_mode == "none":
+    if device.type != "cuda" or config.graph_mode is GraphMode.NONE:
         return None, None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     token_args, size_args, buffers = [], [], {}
@@ -164,9 +164,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
                     device.type, config.graph_mode)
 
     # One memory pool for all CUDA graphs of this compiled graph (pieces, sizes, full graphs).
-    pool = torch.cuda.graph_pool_handle() if device.type == "cuda" and config.graph_mode != "none" else None
-    wants_piecewise = config.graph_mode in ("none", "piecewise", "full_and_piecewise")
-    wants_full = config.graph_mode in ("full", "full_and_piecewise")
+    pool = torch.cuda.graph_pool_handle() if device.type == "cuda" and config.graph_mode is not GraphMode.NONE else None
+    wants_piecewise = config.graph_mode.wants_piecewise
+    wants_full = config.graph_mode.wants_full
     piecewise_fn: Callable[..., Any] | None = None
     full_fn: Callable[..., Any] | None = None
     split: SplitGraph | None = None

@@ -8,6 +8,7 @@ variables; :meth:`FullCGConfig.from_env` fills only what the caller left unset.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 from collections.abc import Mapping
@@ -20,10 +21,12 @@ __all__ = [
     "ENV_GRAPH_MODE",
     "ENV_COMPILER",
     "ENV_DUMP_DIR",
+    "ENV_DEBUG_CHECKS",
     "ATTENTION_IMPLS",
     "SkipSoftmaxConfig",
     "FullCGConfig",
     "GRAPH_MODES",
+    "GraphMode",
     "COMPILERS",
     "default_capture_sizes",
 ]
@@ -34,11 +37,43 @@ ENV_ATTENTION_IMPL = "FULLCG_ATTENTION_IMPL"
 ENV_GRAPH_MODE = "FULLCG_GRAPH_MODE"
 ENV_COMPILER = "FULLCG_COMPILER"
 ENV_DUMP_DIR = "FULLCG_DUMP_DIR"
+ENV_DEBUG_CHECKS = "FULLCG_DEBUG_CHECKS"
 
-#: How steps run on CUDA: ``none`` (compiled pieces, no CUDA graphs), ``piecewise``
-#: (pieces captured, breakable attention eager between them), ``full`` (the whole step in
-#: one graph), ``full_and_piecewise`` (decode-only batches full, the rest piecewise).
-GRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise")
+class GraphMode(str, enum.Enum):
+    """How compiled steps run on CUDA (on the CPU every mode runs without capture).
+
+    A ``str`` enum: ``GraphMode.AUTO == "auto"``, so options may be given as strings.
+    """
+
+    #: Compiled pieces, no CUDA graphs.
+    NONE = "none"
+    #: Pieces captured; breakable attention runs eagerly between them.
+    PIECEWISE = "piecewise"
+    #: The whole step in one graph, attention inside (uncaptured when the implementation
+    #: cannot be captured or the model gathers prefix chunks).
+    FULL = "full"
+    #: Decode-only batches in one full graph, every other batch piecewise.
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+    #: The fastest safe path per step: one full graph for every batch kind whenever the
+    #: attention implementation is capture-safe and the model gathers no prefix chunks on
+    #: the host; piecewise otherwise. The default.
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def wants_piecewise(self) -> bool:
+        """Whether this mode builds the piecewise variant of a graph."""
+        return self is not GraphMode.FULL
+
+    @property
+    def wants_full(self) -> bool:
+        """Whether this mode builds the full variant of a graph."""
+        return self in (GraphMode.FULL, GraphMode.FULL_AND_PIECEWISE, GraphMode.AUTO)
+
+
+GRAPH_MODES = tuple(m.value for m in GraphMode)
 COMPILERS = ("inductor", "eager")
 
 #: Names accepted for ``FullCGConfig.attention_impl``; more can be registered at run time
@@ -159,7 +194,7 @@ class FullCGConfig:
             (plain torch), ``"flashinfer"``, ``"triton"``, or ``"auto"`` (the best one
             available for the device; ``reference`` on CPU).
         skip_softmax: skip-softmax factors and tile sizes.
-        graph_mode: one of :data:`GRAPH_MODES`; on CPU every mode runs without capture.
+        graph_mode: a :class:`GraphMode` (or its name); on CPU every mode runs without capture.
         compiler: ``"inductor"`` compiles each piece; ``"eager"`` runs pieces as traced
             (fast start, for debugging).
         capture_sizes: token counts to capture graphs for; batches are padded up to the
@@ -170,17 +205,25 @@ class FullCGConfig:
         dump_dir: where to write graph dumps and the split report; None = no dumps.
         debug_graph_inputs: check on every replay that captured pieces read their inputs
             from the addresses they were captured with (a debugging aid; costs host time).
+        debug_checks: repeat, on every attention call of a compiled step, the shape, dtype
+            and attribute checks that tracing already did once (a debugging aid; costs
+            host time). Uncompiled (eager) calls are always checked in full.
+        max_pages_per_request: page-table columns that captured full graphs hold for one
+            request (its longest prefix plus new tokens, in pages); None = the KV cache's
+            page count. A batch with a longer page table runs uncaptured.
     """
 
     attention_impl: str = "auto"
     skip_softmax: SkipSoftmaxConfig = dataclasses.field(default_factory=SkipSoftmaxConfig)
-    graph_mode: str = "full_and_piecewise"
+    graph_mode: GraphMode = GraphMode.AUTO
     compiler: str = "inductor"
     capture_sizes: tuple[int, ...] | None = None
     max_capture_size: int = 256
     capture_on_compile: bool = False
     dump_dir: str | None = None
     debug_graph_inputs: bool = False
+    debug_checks: bool = False
+    max_pages_per_request: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
@@ -196,8 +239,10 @@ class FullCGConfig:
                     "skip_softmax must be a fullcg.SkipSoftmaxConfig (or a dict of its fields), got "
                     f"{type(self.skip_softmax).__name__}"
                 )
-        if self.graph_mode not in GRAPH_MODES:
-            raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}")
+        try:
+            object.__setattr__(self, "graph_mode", GraphMode(self.graph_mode))
+        except ValueError:
+            raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}") from None
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {', '.join(COMPILERS)}, got {self.compiler!r}")
         _positive_int(self.max_capture_size, "max_capture_size")
@@ -206,6 +251,11 @@ class FullCGConfig:
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
                 raise ValueError(f"capture sizes must be positive integers, got {sizes}")
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
+        if self.max_pages_per_request is not None:
+            _positive_int(self.max_pages_per_request, "max_pages_per_request")
+        for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"dump_dir must be a path or None, got {self.dump_dir!r}")
 
@@ -220,6 +270,7 @@ class FullCGConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FullCGConfig:
         """Build a config from ``FULLCG_*`` environment variables; ``overrides`` win."""
         env = os.environ if environ is None else environ
+        explicit = set(overrides)
         if "skip_softmax" not in overrides:
             overrides["skip_softmax"] = SkipSoftmaxConfig.from_env(environ=env)
         for field, var in (
@@ -230,6 +281,15 @@ class FullCGConfig:
         ):
             if field not in overrides and env.get(var, "").strip():
                 overrides[field] = env[var].strip()
+        if overrides.get("graph_mode", GRAPH_MODES[0]) not in GRAPH_MODES and "graph_mode" not in explicit:
+            raise ValueError(f"{ENV_GRAPH_MODE} must be one of {', '.join(GRAPH_MODES)}, got {overrides['graph_mode']!r}")
+        if overrides.get("compiler", COMPILERS[0]) not in COMPILERS and "compiler" not in explicit:
+            raise ValueError(f"{ENV_COMPILER} must be one of {', '.join(COMPILERS)}, got {overrides['compiler']!r}")
+        if "debug_checks" not in overrides and env.get(ENV_DEBUG_CHECKS, "").strip():
+            raw = env[ENV_DEBUG_CHECKS].strip().lower()
+            if raw not in ("0", "1", "true", "false"):
+                raise ValueError(f"{ENV_DEBUG_CHECKS} must be 0 or 1, got {env[ENV_DEBUG_CHECKS]!r}")
+            overrides["debug_checks"] = raw in ("1", "true")
         return cls(**overrides)
 
 

@@ -27,25 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fullcg.context import AttentionMetadata, ForwardMode
+from fullcg.context import current_padded_size
+from fullcg.metadata import AttentionMetadata, ForwardMode
 
 __all__ = [
-    "CapturedPiece", "BridgedPiece", "StaticMetadata", "InputStager", "padded_size", "capture_graph", "dummy_metadata",
+    "CapturedPiece", "BridgedPiece", "StaticMetadata", "StaticTables", "InputStager", "padded_size", "capture_graph",
+    "dummy_metadata",
 ]
 
 logger = logging.getLogger(__name__)
-
-# The capture size of the step being run captured; pieces read it (None: run uncaptured).
-_active_size: int | None = None
-
-
-def active_size() -> int | None:
-    return _active_size
-
-
-def set_active_size(size: int | None) -> None:
-    global _active_size
-    _active_size = size
 
 
 def padded_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
@@ -92,7 +82,7 @@ class CapturedPiece:
         self.graphs: dict[int, Captured] = {}
 
     def __call__(self, *args: Any) -> Any:
-        size = _active_size
+        size = current_padded_size()  # the step's dispatch key, from its forward context
         if size is None:
             return self.fn(*args)
         entry = self.graphs.get(size)
@@ -118,7 +108,7 @@ class BridgedPiece:
 
     def __call__(self, *args: Any) -> Any:
         out = self.fn(*args)
-        size = _active_size
+        size = current_padded_size()
         if size is None or out is None:
             return out
         bridge = self.bridges.get(size)
@@ -187,6 +177,39 @@ class InputStager:
         return staged
 
 
+class StaticTables:
+    """The page table and slot mapping that every capture size's full graphs read.
+
+    One pair for all sizes (size ``S`` uses the first ``S`` rows): a table as wide as a
+    request's longest page list, not one per size. Sharing is safe because refills and
+    replays are ordered on one stream. Refills clear only what the previous batch left.
+    """
+
+    def __init__(self, max_size: int, max_pages: int, device: torch.device) -> None:
+        with torch.inference_mode(False):  # normal tensors: refilled in or out of inference mode
+            self.page_table = torch.zeros(max_size, max_pages, dtype=torch.int32, device=device)
+            self.slot_mapping = torch.full((max_size,), -1, dtype=torch.int64, device=device)
+        self._table_rows = 0  # rows the last batch wrote (the rest are zeros)
+        self._table_cols = 0  # columns the last batch wrote
+        self._slots = 0  # slots the last batch wrote (the rest are -1)
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    def fill(self, md: AttentionMetadata) -> None:
+        r, n = md.num_requests, md.num_tokens
+        cols = min(md.page_table.shape[1], self.max_pages)
+        if self._table_rows > r or self._table_cols > cols:
+            self.page_table[: self._table_rows, : self._table_cols].zero_()
+        self.page_table[:r, :cols].copy_(md.page_table[:, :cols])
+        self._table_rows, self._table_cols = r, cols
+        self.slot_mapping[:n].copy_(md.slot_mapping)
+        if self._slots > n:
+            self.slot_mapping[n : self._slots].fill_(-1)
+        self._slots = n
+
+
 class StaticMetadata:
     """Metadata tensors at fixed addresses for one capture size, refilled before each replay.
 
@@ -196,16 +219,17 @@ class StaticMetadata:
 
     A refill is on the per-step path, so it is cheap: the small fields are written into one
     pinned host buffer and reach the device in one asynchronous copy (the host waits only
-    if the previous refill's copy has not yet read that buffer), and the page table and
-    slot mapping clear only what the previous batch left behind.
+    if the previous refill's copy has not yet read that buffer); the page table and slot
+    mapping are views of the shared :class:`StaticTables`.
     """
 
-    def __init__(self, size: int, max_pages: int, device: torch.device) -> None:
+    def __init__(self, size: int, tables: StaticTables, device: torch.device) -> None:
         with torch.inference_mode(False):  # normal tensors: refilled in or out of inference mode
-            self._allocate(size, max_pages, device)
+            self._allocate(size, tables, device)
 
-    def _allocate(self, size: int, max_pages: int, device: torch.device) -> None:
+    def _allocate(self, size: int, tables: StaticTables, device: torch.device) -> None:
         self.size = size
+        self.tables = tables
         # int32 query_start_loc | seq_lens | prefix_lens | num_tokens, then bool is_decode:
         # views of one byte buffer, so one copy refills them all.
         num_ints = 3 * size + 2
@@ -223,22 +247,24 @@ class StaticMetadata:
         self._host_decode = self._host_bytes[4 * num_ints :].numpy()
         self._device = device
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.page_table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.page_table = tables.page_table[:size]
+        self.slot_mapping = tables.slot_mapping[:size]
         self._device_fields = dict(
             page_table=self.page_table, slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens, prefix_lens_tensor=self.prefix_lens, is_decode=self.is_decode,
             num_tokens_tensor=self.num_tokens,
         )
-        self._table_rows = 0  # page-table rows the last batch wrote (the rest are zeros)
-        self._slots = 0  # slots the last batch wrote (the rest are -1)
+
+    def fits(self, md: AttentionMetadata) -> bool:
+        """Whether the batch's requests fit the static page table (and its tokens this size)."""
+        return md.pages_needed <= self.tables.max_pages and md.num_tokens <= self.size
 
     def fill(self, md: AttentionMetadata) -> AttentionMetadata:
         size, n, r = self.size, md.num_tokens, md.num_requests
-        width = md.page_table.shape[1]
-        if width > self.page_table.shape[1]:
+        if not self.fits(md):
             raise ValueError(
-                f"a request's page table has {width} columns but captured graphs allow {self.page_table.shape[1]}"
+                f"a batch of {n} tokens whose longest request needs {md.pages_needed} pages does not fit captured "
+                f"graphs of {size} tokens and {self.tables.max_pages} pages per request (max_pages_per_request)"
             )
         pad = size - n  # stand-in requests, one token each; requests r + pad .. size - 1 are empty
         if self._copied is not None:
@@ -262,14 +288,7 @@ class StaticMetadata:
         self._device_bytes.copy_(self._host_bytes, non_blocking=True)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self._device))  # the copy's stream
-        self.page_table[:r, :width].copy_(md.page_table)
-        if self._table_rows > r:
-            self.page_table[r : self._table_rows].zero_()
-        self._table_rows = r
-        self.slot_mapping[:n].copy_(md.slot_mapping)
-        if self._slots > n:
-            self.slot_mapping[n : self._slots].fill_(-1)
-        self._slots = n
+        self.tables.fill(md)
         # The batch with its device fields swapped for these buffers. A shallow copy, not
         # dataclasses.replace: that re-runs __init__, a measurable part of a replay's host time.
         # Cached properties come along; they must derive from host fields only.

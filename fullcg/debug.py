@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.fx
 
-from fullcg.config import FullCGConfig
+from fullcg.config import FullCGConfig, GraphMode
 from fullcg.passes.split import SplitGraph
 
 __all__ = ["GraphDump", "split_report", "decompiled_caller_source", "prepare_debug"]
@@ -72,7 +72,7 @@ def split_report(
     lines = [
         "fullcg split report",
         f"graph mode: {config.graph_mode}",
-        f"device: {device} ({'CUDA graphs captured' if device.startswith('cuda') and config.graph_mode != 'none' else 'no CUDA graph capture'})",
+        f"device: {device} ({'CUDA graphs captured' if device.startswith('cuda') and config.graph_mode is not GraphMode.NONE else 'no CUDA graph capture'})",
         f"compiler: {config.compiler}",
         f"attention implementation: {config.attention_impl}",
         f"skip-softmax factors: prefill={config.skip_softmax.prefill_scale_factor}, "

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
 __all__ = ["KVCache"]
+
+_uids = itertools.count(1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -14,13 +17,17 @@ class KVCache:
     """K and V pages of one layer, each ``[num_pages, page_size, num_kv_heads, head_dim]``.
 
     The tensors are allocated once and never move, so CUDA graphs that read or write them
-    stay valid for the cache's lifetime.
+    stay valid for the cache's lifetime. ``uid`` is unique per cache in the process: an
+    attention call names the cache its layer owns by it, so a step can never write into
+    another model's cache.
     """
 
     k: torch.Tensor
     v: torch.Tensor
+    uid: int = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.uid = next(_uids)
         if self.k.dim() != 4 or self.v.dim() != 4:
             raise ValueError(
                 "KV cache tensors must be [num_pages, page_size, num_kv_heads, head_dim], got "
@@ -30,6 +37,13 @@ class KVCache:
             raise ValueError(f"k and v caches disagree on pages/heads: {tuple(self.k.shape)} vs {tuple(self.v.shape)}")
         if self.k.dtype != self.v.dtype or self.k.device != self.v.device:
             raise ValueError("k and v caches must share dtype and device")
+
+    def __deepcopy__(self, memo: dict) -> KVCache:
+        # A copy is another cache: new tensors and a new uid (a copied model must not pass
+        # for the original).
+        import copy
+
+        return KVCache(copy.deepcopy(self.k, memo), copy.deepcopy(self.v, memo))
 
     @classmethod
     def allocate(

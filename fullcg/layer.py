@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from fullcg import context
+from fullcg.context import CacheOwner
 from fullcg.kv_cache import KVCache
 from fullcg.ops.attention import ATTENTION_OPS
 
 __all__ = ["Attention"]
 
-class Attention(nn.Module):
+class Attention(nn.Module, CacheOwner):
     """Attention over a paged KV cache (or over given k/v) through the ``fullcg`` ops.
 
     The layer holds its head counts, scale, layer id and KV cache; per-step data (which
@@ -145,6 +146,9 @@ class Attention(nn.Module):
         lse = op(
             q3, k3, v3, out, self.layer_id, key_value_num_tokens, prefill_factor, decode_factor, self.scale,
             use_kv_cache, causal, prefix_chunk, use_kv_cache if save_kv_cache is None else save_kv_cache,
+            # The cache's uid: the op checks the step's cache for this layer is this one. Dynamo
+            # guards on it, so a layer given a new cache (new addresses) compiles anew.
+            self._kv_cache.uid if self._kv_cache is not None else 0,
         )
         if flat:
             out = out.view(q3.shape[0], self.num_heads * self.v_head_dim)

@@ -2,47 +2,65 @@
 
 A compiled model has up to two variants of its graph: *piecewise* (split at breakable
 attention ops) and *full* (one graph with attention inside). Each step the runner picks
-one from the graph mode and the batch (``full_and_piecewise``: decode-only batches run
-full), and on CUDA runs it as CUDA graphs when the batch fits a capture size (see
-:mod:`fullcg.cudagraph`). Every step is counted by how it ran, so a mode is never changed
-silently: :func:`graph_mode_counts`.
+one by the graph mode's policy (:class:`fullcg.config.GraphMode`) and the batch, and on
+CUDA runs it as CUDA graphs when the batch fits a capture size (see
+:mod:`fullcg.cudagraph`). The variant and the padded size are the step's *dispatch key*:
+they travel in the forward context the graph runs in, where captured pieces read them.
+Every step is counted by how it ran, so a mode is never changed silently:
+:func:`graph_mode_counts`.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fullcg import cudagraph
-from fullcg.config import FullCGConfig
+from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import ForwardContext, derived_context, get_forward_context
-from fullcg.ops.impl import resolve_implementation
+from fullcg.ops.impl import AttentionImpl, resolve_implementation
 
-__all__ = ["StepRunner", "PieceCall", "graph_mode_counts", "reset_graph_mode_counts", "request_capture"]
+__all__ = ["StepRunner", "PieceCall", "graph_mode_counts", "reset_graph_mode_counts", "request_capture", "capture"]
 
 logger = logging.getLogger(__name__)
 
+# Steps of every thread, by how they ran; the lock makes each increment atomic.
 _counts: collections.Counter[str] = collections.Counter()
-_capture_requested = False
+_counts_lock = threading.Lock()
+# A capture request is per thread, like the forward context that the capturing step runs in.
+_capture = threading.local()
 
 
 def graph_mode_counts() -> collections.Counter[str]:
     """Steps by how they ran: ``full``/``piecewise`` + ``:captured`` (CUDA graphs) or ``:eager``."""
-    return collections.Counter(_counts)
+    with _counts_lock:
+        return collections.Counter(_counts)
 
 
 def reset_graph_mode_counts() -> None:
-    _counts.clear()
+    with _counts_lock:
+        _counts.clear()
+
+
+def _count(key: str) -> None:
+    with _counts_lock:
+        _counts[key] += 1
 
 
 def request_capture() -> None:
-    """Make every runner capture all its sizes on its next call (see :func:`fullcg.capture`)."""
-    global _capture_requested
-    _capture_requested = True
+    """Make the runners this thread calls next capture all their sizes (see :func:`capture`)."""
+    _capture.requested = True
+
+
+def _take_capture_request() -> bool:
+    requested = getattr(_capture, "requested", False)
+    _capture.requested = False
+    return requested
 
 
 class PieceCall:
@@ -71,7 +89,11 @@ def _slice_tokens(value: Any, token_outputs: tuple[bool, ...] | None, n: int) ->
 
 
 class StepRunner:
-    """What the compile backend returns to Dynamo: runs one step of the compiled model."""
+    """What the compile backend returns to Dynamo: runs one step of the compiled model.
+
+    One runner belongs to one model (Dynamo guards on the layers' KV caches); step it from
+    one thread at a time.
+    """
 
     def __init__(
         self,
@@ -99,42 +121,69 @@ class StepRunner:
         self.captures = pool is not None and stager is not None
         self.full_graphs: dict[tuple[int, bool], cudagraph.Captured] = {}
         self.static_metadata: dict[int, cudagraph.StaticMetadata] = {}
+        self.tables: cudagraph.StaticTables | None = None
         self.on_first_call: Callable[[], None] | None = None
         self._first_captured_call = True
+        self._impl: AttentionImpl | None = None
         self._full_ok: bool | None = None
-        self._impl: Any = None
         #: The split report of the graph this runner runs (see fullcg.debug.split_report).
         self.report = ""
 
+    # ------------------------------------------------------------------ policy
+
+    def full_capture_ok(self) -> bool:
+        """Whether the full graph can be captured: a capture-safe implementation and no
+        prefix-chunk gathers (they read the chunk plan on the host). Fixed per runner."""
+        if self._full_ok is None:
+            impl = self._impl = resolve_implementation(self.config.attention_impl, self.device)
+            self._full_ok = self.full is not None and self.full_capturable and impl.capture_safe
+            if not self._full_ok and self.full is not None and self.config.graph_mode is not GraphMode.AUTO:
+                if not self.full_capturable:
+                    logger.warning("fullcg: the full graph gathers prefix chunks on the host; running it uncaptured "
+                                   "(use graph_mode='auto' or 'piecewise' for the chunked-prefix pattern)")
+                else:
+                    logger.warning(f"fullcg: attention implementation {impl.name!r} cannot be captured in a full "
+                                   "CUDA graph; full steps run uncaptured (use attention_impl='triton' or 'flashinfer')")
+        return self._full_ok
+
     def choose(self, ctx: ForwardContext) -> str:
-        """``"full"`` or ``"piecewise"`` for the current step."""
+        """``"full"`` or ``"piecewise"`` for the current step (see :class:`GraphMode`)."""
         if self.piecewise is None:
             return "full"
         if self.full is None:
             return "piecewise"
+        if self.config.graph_mode is GraphMode.AUTO:
+            return "full" if self.full_capture_ok() else "piecewise"
         return "full" if ctx.metadata.is_decode_only else "piecewise"
 
+    # ------------------------------------------------------------------ the step
+
     def __call__(self, *args: Any) -> Any:
-        global _capture_requested
         if self.on_first_call is not None:
             hook, self.on_first_call = self.on_first_call, None
             hook()
         ctx = get_forward_context()
-        if self.captures and (_capture_requested or (self.config.capture_on_compile and self._first_captured_call)):
-            _capture_requested = False
+        if self.captures and (_take_capture_request() or (self.config.capture_on_compile and self._first_captured_call)):
             self.capture_all(args, ctx)
         self._first_captured_call = False
         variant = self.choose(ctx)
         n = self.stager.num_tokens(args) if self.captures else None
         size = cudagraph.padded_size(n, self.sizes) if n is not None else None
-        if size is not None and variant == "full" and not self._full_capture_ok(ctx):
-            size = None
+        if size is not None and variant == "full":
+            if not self.full_capture_ok():
+                size = None
+            elif not self._static(size, ctx).fits(ctx.metadata):
+                # Requests longer than the static page table: piecewise pieces need none.
+                if self.piecewise is not None:
+                    variant = "piecewise"
+                else:
+                    size = None
         if size is None:
-            _counts[f"{variant}:eager"] += 1
+            _count(f"{variant}:eager")
             graph = self.full if variant == "full" else self.piecewise
-            with derived_context(ctx, config=self.config, breakable=variant == "piecewise"), torch.no_grad():
+            with derived_context(ctx, config=self.config, variant=variant, padded_size=None), torch.no_grad():
                 return graph(*args)
-        _counts[f"{variant}:captured"] += 1
+        _count(f"{variant}:captured")
         # Inference mode throughout: graph outputs made while capturing under it are updated
         # in place by eager split points on later steps, which only inference mode allows.
         with torch.inference_mode():
@@ -145,62 +194,58 @@ class StepRunner:
                 out = self._run_piecewise(ctx, staged, size)
         return _slice_tokens(out, self.token_outputs, n)
 
-    def _full_capture_ok(self, ctx: ForwardContext) -> bool:
-        if self._full_ok is None:  # fixed per runner: decided on first use, with one warning
-            impl = resolve_implementation(self.config.attention_impl, self.device)
-            if not self.full_capturable:
-                logger.warning("fullcg: the full graph gathers prefix chunks on the host; running it uncaptured "
-                               "(use graph_mode='piecewise' for the chunked-prefix pattern)")
-            elif not getattr(impl, "capture_safe", False):
-                logger.warning(f"fullcg: attention implementation {impl.name!r} cannot be captured in a full CUDA "
-                               "graph; full steps run uncaptured (use attention_impl='triton' or 'flashinfer')")
-            self._impl = impl
-            self._full_ok = self.full_capturable and bool(getattr(impl, "capture_safe", False))
-        return self._full_ok
-
     def _run_piecewise(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
-        cudagraph.set_active_size(size)
-        try:
-            with derived_context(ctx, config=self.config, breakable=True):
-                return self.piecewise(*staged)
-        finally:
-            cudagraph.set_active_size(None)
+        with derived_context(ctx, config=self.config, variant="piecewise", padded_size=size):
+            return self.piecewise(*staged)
 
-    def _replay_full(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
+    def _static(self, size: int, ctx: ForwardContext) -> cudagraph.StaticMetadata:
         static = self.static_metadata.get(size)
         if static is None:
-            max_pages = max((c.num_pages for c in ctx.kv_caches.values()), default=1)
-            static = self.static_metadata[size] = cudagraph.StaticMetadata(size, max_pages, self.device)
+            if self.tables is None:
+                width = self.config.max_pages_per_request or max(
+                    (c.num_pages for c in ctx.kv_caches.values()), default=1
+                )
+                self.tables = cudagraph.StaticTables(self.sizes[-1], width, self.device)
+            static = self.static_metadata[size] = cudagraph.StaticMetadata(size, self.tables, self.device)
+        return static
+
+    def _replay_full(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
+        md = self._static(size, ctx).fill(ctx.metadata)
         key = (size, ctx.metadata.is_decode_only)
-        md = static.fill(ctx.metadata)
-        with derived_context(ctx, config=self.config, breakable=False, metadata=md) as static_ctx:
+        with derived_context(ctx, config=self.config, variant="full", padded_size=size, metadata=md) as static_ctx:
             entry = self.full_graphs.get(key)
             if entry is None:
                 entry = self.full_graphs[key] = cudagraph.capture_graph(self.full, staged, self.device, self.pool)
-            plan = getattr(self._impl, "plan", None)
-            if plan is not None:
-                plan(static_ctx)
+            assert self._impl is not None  # resolved by full_capture_ok()
+            self._impl.plan(static_ctx)
             entry.graph.replay()
         return entry.output
 
     def capture_all(self, args: tuple[Any, ...], ctx: ForwardContext) -> None:
-        """Capture every size up front (largest first, so smaller graphs reuse its pool memory)."""
+        """Capture every size up front (largest first, so smaller graphs reuse its pool memory).
+
+        Captures what the policy will replay: full graphs for decode-only and for other
+        batches where the full graph is chosen for them, pieces where piecewise is.
+        """
         page_size = next(iter(ctx.kv_caches.values())).page_size if ctx.kv_caches else 16
+        mode = self.config.graph_mode
+        full_ok = self.full_capture_ok()
+        full_kinds = () if not full_ok else (True,) if mode is GraphMode.FULL_AND_PIECEWISE else (True, False)
+        pieces = self.piecewise is not None and (mode is not GraphMode.AUTO or not full_ok)
         jobs = []
         for size in sorted(self.sizes, reverse=True):
-            if self.piecewise is not None and self.config.graph_mode != "full":
-                jobs.append((size, False))
-            if self.full is not None and self.full_capturable:
-                jobs.append((size, self.config.graph_mode != "full"))
+            jobs += [("full", size, decode_only) for decode_only in full_kinds]
+            if pieces:
+                jobs.append(("piecewise", size, False))
         bar = _progress(len(jobs), "fullcg: capturing CUDA graphs")
-        for size, decode_only in jobs:
-            md = cudagraph.dummy_metadata(size, decode_only or self.piecewise is None, page_size, self.device)
+        for variant, size, decode_only in jobs:
+            md = cudagraph.dummy_metadata(size, decode_only, page_size, self.device)
             staged = self.stager.dummy(args, size)
-            with derived_context(ctx, config=self.config, breakable=False, metadata=md) as dummy, \
+            with derived_context(ctx, config=self.config, variant=variant, padded_size=size, metadata=md) as dummy, \
                     torch.inference_mode():
-                if self.choose(dummy) == "full" and self._full_capture_ok(dummy):
+                if variant == "full":
                     self._replay_full(dummy, staged, size)
-                elif self.piecewise is not None:
+                else:
                     self._run_piecewise(dummy, staged, size)
             bar(1)
         bar(0, done=True)

@@ -8,7 +8,7 @@ import math
 import torch
 
 import fullcg
-from fullcg.context import AttentionMetadata, ForwardMode
+from fullcg.metadata import AttentionMetadata, ForwardMode
 
 
 @dataclasses.dataclass

@@ -102,11 +102,14 @@ def test_one_layer_compiles_once_for_changing_batches():
     torch._dynamo.reset()
     b0 = make_batch([4, 2], [0, 3], seed=1)
     layer = b0.layer
+    layer.allocate_kv_cache(64, b0.layer.kv_cache.page_size)
     compiled = torch.compile(lambda q, k, v: layer(q, k, v), backend="aot_eager", dynamic=True)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seed, (q_lens, p_lens) in enumerate([([4, 2], [0, 3]), ([1, 1, 1], [2, 5, 1]), ([6], [0]), ([2, 1], [3, 4])]):
         b = make_batch(q_lens, p_lens, seed=seed)
-        layer.kv_cache = b.layer.kv_cache
+        # The layer keeps its cache (a new cache is a new graph: captured graphs hold its address).
+        layer.kv_cache.k[: b.layer.kv_cache.num_pages].copy_(b.layer.kv_cache.k)
+        layer.kv_cache.v[: b.layer.kv_cache.num_pages].copy_(b.layer.kv_cache.v)
         with fullcg.forward_context(b.metadata, layer):
             torch.testing.assert_close(compiled(b.q, b.k, b.v), layer(b.q, b.k, b.v))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fullcg
-from fullcg.context import ForwardMode
+from fullcg.metadata import ForwardMode
 from batches import make_batch
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fullcg
-from fullcg.context import ForwardMode
+from fullcg.metadata import ForwardMode
 from batches import make_batch, naive_attention, oracle
 
 BATCHES = {

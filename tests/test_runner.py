@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import fullcg
 from fullcg import cudagraph
-from fullcg.ops.impl import register_implementation
+from fullcg.ops.impl import AttentionImpl, register_implementation
 from fullcg.runner import StepRunner
 from batches import make_batch
 
@@ -33,7 +34,7 @@ def test_inputs_are_staged_into_fixed_buffers_and_size_inputs_become_the_padded_
 
 
 def test_static_metadata_pads_requests_and_keeps_its_addresses():
-    static = cudagraph.StaticMetadata(size=8, max_pages=6, device=torch.device("cpu"))
+    static = cudagraph.StaticMetadata(8, cudagraph.StaticTables(8, 6, torch.device("cpu")), torch.device("cpu"))
     addresses = [t.data_ptr() for t in (static.query_start_loc, static.slot_mapping, static.page_table)]
     b = make_batch([3, 1, 1], [0, 5, 9])  # 5 tokens, 3 requests, padded to 8
     md = static.fill(b.metadata)
@@ -53,7 +54,7 @@ def test_static_metadata_pads_requests_and_keeps_its_addresses():
 
 
 def test_static_metadata_refills_clear_what_a_larger_batch_left():
-    static = cudagraph.StaticMetadata(size=8, max_pages=6, device=torch.device("cpu"))
+    static = cudagraph.StaticMetadata(8, cudagraph.StaticTables(8, 6, torch.device("cpu")), torch.device("cpu"))
     large, small = make_batch([1] * 5, [3, 4, 5, 6, 7]).metadata, make_batch([2], [4]).metadata
     static.fill(large)
     md = static.fill(small)
@@ -73,7 +74,7 @@ def test_stand_in_batches_write_nothing_to_the_cache():
     assert md.forward_modes == (fullcg.ForwardMode.PREFILL,) and md.num_tokens == 40 and (md.slot_mapping == -1).all()
 
 
-class _SafeImpl:
+class _SafeImpl(AttentionImpl):
     name = "capture-safe-stub"
     capture_safe = True
 
@@ -83,16 +84,49 @@ class _SafeImpl:
 
 def test_full_graphs_are_captured_only_with_a_capture_safe_implementation_and_no_gathers(caplog):
     register_implementation(_SafeImpl())
-    b = make_batch([1], [3])
-    ctx = fullcg.context.ForwardContext(b.metadata, {}, fullcg.FullCGConfig(), False)
 
     def runner(impl: str, gathers: bool) -> StepRunner:
-        config = fullcg.FullCGConfig(attention_impl=impl)
+        config = fullcg.FullCGConfig(attention_impl=impl, graph_mode="full")
         return StepRunner(config, piecewise=None, full=lambda *a: a, device=torch.device("cpu"), full_capturable=not gathers)
 
     with caplog.at_level(logging.WARNING):
-        assert runner("capture-safe-stub", gathers=False)._full_capture_ok(ctx)
-        assert not runner("reference", gathers=False)._full_capture_ok(ctx)
+        assert runner("capture-safe-stub", gathers=False).full_capture_ok()
+        assert not runner("reference", gathers=False).full_capture_ok()
         assert "'reference' cannot be captured" in caplog.text
-        assert not runner("capture-safe-stub", gathers=True)._full_capture_ok(ctx)
+        assert not runner("capture-safe-stub", gathers=True).full_capture_ok()
         assert "gathers prefix chunks on the host" in caplog.text
+
+
+def _ctx(md: fullcg.AttentionMetadata) -> fullcg.context.ForwardContext:
+    return fullcg.context.ForwardContext(md, {}, fullcg.FullCGConfig(), False)
+
+
+def test_auto_runs_every_batch_kind_full_with_a_capture_safe_implementation_and_piecewise_otherwise():
+    register_implementation(_SafeImpl())
+    decode, mixed, prefill = make_batch([1, 1], [3, 5]), make_batch([4, 1], [0, 5]), make_batch([7], [0])
+
+    def runner(impl: str, gathers: bool = False, mode: str = "auto") -> StepRunner:
+        config = fullcg.FullCGConfig(attention_impl=impl, graph_mode=mode)
+        return StepRunner(config, piecewise=lambda *a: a, full=lambda *a: a, device=torch.device("cpu"),
+                          full_capturable=not gathers)
+
+    batches = (decode, mixed, prefill)
+    assert [runner("capture-safe-stub").choose(_ctx(b.metadata)) for b in batches] == ["full"] * 3
+    assert [runner("reference").choose(_ctx(b.metadata)) for b in batches] == ["piecewise"] * 3
+    assert [runner("capture-safe-stub", gathers=True).choose(_ctx(b.metadata)) for b in batches] == ["piecewise"] * 3
+    fp = runner("capture-safe-stub", mode="full_and_piecewise")
+    assert [fp.choose(_ctx(b.metadata)) for b in batches] == ["full", "piecewise", "piecewise"], (
+        "full_and_piecewise: decode-only batches full, the rest piecewise, whatever the implementation"
+    )
+
+
+def test_static_tables_are_shared_by_every_capture_size_and_sized_by_max_pages_per_request():
+    tables = cudagraph.StaticTables(16, 3, torch.device("cpu"))
+    small = cudagraph.StaticMetadata(4, tables, torch.device("cpu"))
+    large = cudagraph.StaticMetadata(16, tables, torch.device("cpu"))
+    assert small.page_table.data_ptr() == large.page_table.data_ptr() == tables.page_table.data_ptr()
+    fits = make_batch([1, 1], [3, 40], page_size=16).metadata  # 41 tokens: 3 pages of 16
+    too_long = make_batch([1], [48], page_size=16).metadata  # 49 tokens: 4 pages
+    assert small.fits(fits) and not small.fits(too_long)
+    with pytest.raises(ValueError, match="max_pages_per_request"):
+        small.fill(too_long)

@@ -1,4 +1,4 @@
-"""Skip-softmax in the reference implementation follows DESIGN.md's rule exactly."""
+"""Skip-softmax in the reference implementation follows the skip rule of docs/ops.md exactly."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from fullcg import cudagraph  # noqa: E402
 import fullcg.ops.impl.triton  # noqa: E402,F401  (registers the "triton" implementation)
 from fullcg import telemetry  # noqa: E402
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig  # noqa: E402
-from fullcg.context import ForwardMode  # noqa: E402
+from fullcg.metadata import ForwardMode  # noqa: E402
 from fullcg.ops.kernels import decode_attention  # noqa: E402
 
 from batches import Batch, make_batch, oracle  # noqa: E402
@@ -273,7 +273,7 @@ def test_padded_static_metadata_gives_the_real_rows_and_zero_padding(name):
     # What a full CUDA graph replays: the batch padded with stand-in and empty requests.
     b = batch(name)
     n, size = b.metadata.num_tokens, b.metadata.num_tokens + 3
-    static = cudagraph.StaticMetadata(size, max_pages=b.metadata.page_table.shape[1] + 2, device=DEVICE)
+    static = cudagraph.StaticMetadata(size, cudagraph.StaticTables(size, b.metadata.page_table.shape[1] + 2, DEVICE), DEVICE)
     padded_md = static.fill(b.metadata)
 
     def pad(t: torch.Tensor) -> torch.Tensor:

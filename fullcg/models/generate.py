@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import fullcg
-from fullcg.context import AttentionMetadata, ForwardMode
+from fullcg.metadata import AttentionMetadata, ForwardMode
 
 __all__ = ["Request", "Step", "Scheduler", "greedy_generate"]
 

@@ -25,10 +25,10 @@ from typing import Optional
 
 import torch
 
-from fullcg.context import get_forward_context
+from fullcg.context import ForwardContext, current_context, get_forward_context
+from fullcg.ops import torch_ops
 from fullcg.ops.call import AttentionCall, check_against_context, check_tensors
-from fullcg.ops.impl import resolve_implementation
-from fullcg.ops.impl import reference
+from fullcg.ops.impl import AttentionImpl, resolve_implementation
 
 __all__ = [
     "attention",
@@ -63,34 +63,30 @@ def _register(name: str, schema: str, kernel: object, fake: object, tags: tuple[
 ATTRIBUTE_SCHEMA = (
     "int layer_id, SymInt? key_value_num_tokens=None, float? skip_softmax_prefill_scale_factor=None, "
     "float? skip_softmax_decode_scale_factor=None, float? scale=None, bool use_kv_cache=True, "
-    "bool causal=True, int? prefix_chunk=None, bool? save_kv_cache=None"
+    "bool causal=True, int? prefix_chunk=None, bool? save_kv_cache=None, int kv_cache_id=0"
 )
 ATTRIBUTE_NAMES = tuple(part.split("=")[0].split()[-1] for part in ATTRIBUTE_SCHEMA.split(", "))
-_ATTRIBUTE_DEFAULTS = (None, None, None, None, True, True, None, None)  # all but layer_id
+_ATTRIBUTE_DEFAULTS = (None, None, None, None, True, True, None, None, 0)  # all but layer_id
 
 
 def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple) -> AttentionCall:
     """Name the positional attributes the dispatcher passes and fill in derived defaults."""
-    values = dict(zip(ATTRIBUTE_NAMES, attrs + _ATTRIBUTE_DEFAULTS[len(attrs) - 1 :]))
-    use_kv_cache = values["use_kv_cache"]
-    save = values["save_kv_cache"]
+    if len(attrs) != len(ATTRIBUTE_NAMES):
+        attrs = attrs + _ATTRIBUTE_DEFAULTS[len(attrs) - 1 :]
+    layer_id, kv_tokens, prefill, decode, scale, use_kv_cache, causal, chunk, save, cache_id = attrs
     return AttentionCall(
-        op=op,
-        q=q,
-        k=k,
-        v=v,
-        out=out,
-        layer_id=values["layer_id"],
-        key_value_num_tokens=values["key_value_num_tokens"],
-        prefill_scale_factor=values["skip_softmax_prefill_scale_factor"],
-        decode_scale_factor=values["skip_softmax_decode_scale_factor"],
-        scale=values["scale"] if values["scale"] is not None else 1.0 / math.sqrt(q.shape[-1]),
-        use_kv_cache=use_kv_cache,
-        causal=values["causal"],
-        prefix_chunk=values["prefix_chunk"],
-        save_kv_cache=use_kv_cache if save is None else save,
-        return_lse=return_lse,
+        op, q, k, v, out, layer_id, kv_tokens, prefill, decode,
+        scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        use_kv_cache, causal, chunk, use_kv_cache if save is None else save, return_lse, cache_id,
     )
+
+
+def step_implementation(ctx: ForwardContext, device: torch.device) -> AttentionImpl:
+    """The implementation that runs this step's attention (resolved once per step)."""
+    impl = ctx.memo.get("impl")
+    if impl is None:
+        impl = ctx.memo["impl"] = resolve_implementation(ctx.config.attention_impl, device)
+    return impl
 
 
 def _define(name: str, return_lse: bool, breakable: bool) -> object:
@@ -98,14 +94,16 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
 
     def kernel(q, k, v, out, *attrs):
         call = _bind(name, return_lse, q, k, v, out, attrs)
-        check_tensors(call)
-        ctx = get_forward_context()
+        ctx = current_context()
+        # Compiled steps were checked once by the fake at trace time, with these shapes.
+        if ctx is None or not ctx.compiled or ctx.config.debug_checks:
+            check_tensors(call)
+            if ctx is None:
+                ctx = get_forward_context()  # raises, saying how to enter one
         cache = check_against_context(call, ctx)
-        impl = resolve_implementation(ctx.config.attention_impl, q.device)
+        impl = step_implementation(ctx, q.device)
         if call.save_kv_cache:
-            assert cache is not None
-            save = getattr(impl, "save_kv", None) or reference.save_new_kv
-            save(call, ctx, cache)
+            impl.save_kv(call, ctx, cache)
         lse = impl.forward(call, ctx, cache if call.use_kv_cache else None)
         if return_lse and lse is None:
             raise RuntimeError(f"attention implementation {impl.name!r} returned no LSE for fullcg.{name}")
@@ -170,7 +168,7 @@ def _merge_attn_states(
     read as -inf.
     """
     _check_merge(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)
-    reference.merge_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)
+    torch_ops.merge_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)
 
 
 def _merge_attn_states_fake(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse=None) -> None:
@@ -219,7 +217,7 @@ def _gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int
             f"fullcg.gather_prefix_chunk: chunk {chunk} holds {plan.offsets[-1]} tokens but k_out has "
             f"{k_out.shape[0]} rows; size it metadata.prefix_chunk_tokens"
         )
-    reference.gather_prefix_chunk(k_out, v_out, cache, md, plan)
+    torch_ops.gather_prefix_chunk(k_out, v_out, cache, md, plan)
 
 
 def _gather_prefix_chunk_fake(k_out, v_out, layer_id, chunk) -> None:

@@ -11,21 +11,25 @@ import dataclasses
 import torch
 
 from fullcg.config import check_scale_factor
-from fullcg.context import AttentionMetadata, ForwardContext, ForwardMode
+from fullcg.context import ForwardContext
 from fullcg.kv_cache import KVCache
+from fullcg.metadata import AttentionMetadata, ForwardMode
 
 __all__ = ["AttentionCall", "check_tensors", "check_against_context", "kv_rows_needed"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+# Not frozen, with slots: one is built per attention call, and a frozen dataclass's
+# __init__ (object.__setattr__ per field) costs microseconds on the per-layer path.
+@dataclasses.dataclass(eq=False, slots=True)
 class AttentionCall:
-    """The arguments of one attention op call.
+    """The arguments of one attention op call (implementations read, never change them).
 
     ``op`` is the op's name (``attention``, ``attention_with_lse``, ``breakable_attention``,
     ``breakable_attention_with_lse``); implementations may record it but compute the same
-    thing for all four.
+    thing for all four. ``kv_cache_id`` is the ``uid`` of the KV cache the calling layer
+    owns (0: not said), checked against the forward context's cache for ``layer_id``.
     """
 
     op: str
@@ -43,6 +47,7 @@ class AttentionCall:
     prefix_chunk: int | None
     save_kv_cache: bool
     return_lse: bool
+    kv_cache_id: int = 0
 
     @property
     def num_q_heads(self) -> int:
@@ -131,30 +136,54 @@ def kv_rows_needed(call: AttentionCall, metadata: AttentionMetadata) -> int:
 
 
 def check_against_context(call: AttentionCall, ctx: ForwardContext) -> KVCache | None:
-    """Checks of a call against the step's metadata; returns the layer's KV cache if used."""
+    """Checks of a call against the step's metadata; returns the layer's KV cache if used.
+
+    What depends only on the layer and the step (the cache's fit) is checked once per step
+    and layer; what the call's tensors decide is checked every call (a few comparisons).
+    """
     md = ctx.metadata
-    where = f"fullcg.{call.op} (layer {call.layer_id})"
     if call.q.shape[0] < md.num_tokens:
-        raise ValueError(f"{where}: q has {call.q.shape[0]} tokens but the batch has {md.num_tokens} new tokens")
-    if call.prefix_chunk is not None and call.prefix_chunk >= len(md.prefix_chunks):
         raise ValueError(
-            f"{where}: prefix_chunk {call.prefix_chunk} is out of range; this batch has "
-            f"{len(md.prefix_chunks)} prefix chunks"
+            f"fullcg.{call.op} (layer {call.layer_id}): q has {call.q.shape[0]} tokens but the batch has "
+            f"{md.num_tokens} new tokens"
         )
-    rows = kv_rows_needed(call, md)
+    if call.prefix_chunk is not None:
+        if call.prefix_chunk >= len(md.prefix_chunks):
+            raise ValueError(
+                f"fullcg.{call.op} (layer {call.layer_id}): prefix_chunk {call.prefix_chunk} is out of range; "
+                f"this batch has {len(md.prefix_chunks)} prefix chunks"
+            )
+        rows = md.prefix_chunks[call.prefix_chunk].offsets[-1]
+    else:
+        rows = md.num_tokens
     available = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
     if available < rows:
         raise ValueError(
-            f"{where}: the batch reads {rows} rows of k/v but only {available} are valid "
-            "(k.shape[0] or key_value_num_tokens)"
+            f"fullcg.{call.op} (layer {call.layer_id}): the batch reads {rows} rows of k/v but only {available} "
+            "are valid (k.shape[0] or key_value_num_tokens)"
         )
     if not (call.use_kv_cache or call.save_kv_cache):
         return None
     cache = ctx.kv_caches.get(call.layer_id)
+    if cache is not None and call.kv_cache_id and cache.uid == call.kv_cache_id and \
+            ctx.memo.get(("cache_ok", call.layer_id)) is cache:
+        return cache
+    return _check_cache(call, ctx, cache)
+
+
+def _check_cache(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> KVCache:
+    md = ctx.metadata
+    where = f"fullcg.{call.op} (layer {call.layer_id})"
     if cache is None:
         raise RuntimeError(
             f"{where}: no KV cache for this layer in the forward context; allocate one "
             "(Attention.allocate_kv_cache) and pass the model as forward_context(metadata, model)"
+        )
+    if call.kv_cache_id and cache.uid != call.kv_cache_id:
+        raise RuntimeError(
+            f"{where}: the running layer owns KV cache #{call.kv_cache_id}, but the forward context was entered "
+            f"with {ctx.source}, whose layer {call.layer_id} owns cache #{cache.uid}: another model. Pass the "
+            "model that runs: `with fullcg.forward_context(metadata, model): model(...)`"
         )
     if cache.num_kv_heads != call.num_kv_heads or cache.head_dim != call.k.shape[2] or cache.v_head_dim != call.v.shape[2]:
         raise ValueError(
@@ -165,4 +194,5 @@ def check_against_context(call: AttentionCall, ctx: ForwardContext) -> KVCache |
         raise ValueError(f"{where}: KV cache is on {cache.k.device} but q is on {call.q.device}")
     if cache.page_size != md.page_size:
         raise ValueError(f"{where}: metadata page_size {md.page_size} differs from the cache's {cache.page_size}")
+    ctx.memo[("cache_ok", call.layer_id)] = cache
     return cache

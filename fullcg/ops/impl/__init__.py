@@ -1,8 +1,8 @@
 """Attention implementations: the code that computes what the ``fullcg`` ops promise.
 
-An implementation is an object with a ``name`` and
-``forward(call, ctx, cache) -> lse | None`` (see :class:`AttentionImpl`). The forward
-context's ``config.attention_impl`` picks one by name for each step.
+An implementation subclasses :class:`AttentionImpl` (``name``, ``forward``, and where it
+needs them ``save_kv``, ``plan``, ``capture_safe``). The step's ``config.attention_impl``
+picks one by name.
 """
 
 from __future__ import annotations
@@ -10,47 +10,12 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from typing import Protocol
 
 import torch
 
-from fullcg.context import ForwardContext
-from fullcg.kv_cache import KVCache
-from fullcg.ops.call import AttentionCall
+from fullcg.ops.impl.base import AttentionImpl
 
 __all__ = ["AttentionImpl", "register_implementation", "resolve_implementation", "available_implementations"]
-
-
-class AttentionImpl(Protocol):
-    """What an attention implementation provides.
-
-    Optional members:
-
-    - ``save_kv(call, ctx, cache)``: writes the batch's new k/v into the layer's cache
-      (``metadata.slot_mapping``; slots < 0 are padding and skipped) before ``forward``
-      runs whenever ``call.save_kv_cache``. Without it the reference implementation's
-      plain-torch copy is used.
-    - ``capture_safe`` (default False): ``forward`` and ``save_kv`` may be captured in a
-      CUDA graph and replayed for other batches of the same padded shape: they read
-      per-step data only from the metadata's tensors (never host values such as
-      ``query_lens``), sync nothing, and allocate only shape-determined memory. The
-      runner captures full graphs only with a capture-safe implementation.
-    - ``plan(ctx)``: per-step host work (schedules, indptr buffers) for a batch. The
-      runner calls it before replaying a captured graph, outside capture; eager calls
-      of ``forward`` must plan lazily themselves.
-    """
-
-    name: str
-
-    def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
-        """Compute ``call`` into ``call.out``; return LSE ``float32 [T, Hq]`` iff ``call.return_lse``.
-
-        ``cache`` is the layer's KV cache when ``call.use_kv_cache`` (the new tokens are
-        already in it); attend over each request's prefix and new tokens there. Otherwise
-        attend over ``call.k``/``call.v``. Rows of ``out`` past the batch's real tokens are
-        zeroed (LSE -inf there).
-        """
-        ...
 
 
 _registry: dict[str, AttentionImpl] = {}
@@ -64,8 +29,12 @@ _lazy: dict[str, str] = {
 
 def register_implementation(impl: AttentionImpl) -> None:
     """Make ``impl`` selectable as ``FullCGConfig(attention_impl=impl.name)``."""
-    if not isinstance(getattr(impl, "name", None), str) or not callable(getattr(impl, "forward", None)):
-        raise TypeError("an attention implementation needs a str `name` and a `forward(call, ctx, cache)` method")
+    if not isinstance(impl, AttentionImpl):
+        raise TypeError(
+            f"an attention implementation must subclass fullcg.ops.impl.AttentionImpl, got {type(impl).__name__}"
+        )
+    if not isinstance(impl.name, str) or not impl.name:
+        raise TypeError(f"{type(impl).__name__}.name must be a non-empty str, got {impl.name!r}")
     if impl.name == "auto":
         raise ValueError("'auto' is reserved: it picks an implementation by device")
     _registry[impl.name] = impl
@@ -77,12 +46,15 @@ def available_implementations() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _auto_name(device_type: str) -> str:
-    """FlashInfer on CUDA devices when it is installed; the reference everywhere else.
+    """On CUDA devices FlashInfer when it is installed, else the Triton kernels (both can be
+    captured in full graphs); the reference everywhere else.
 
     Cached: looking a package up on sys.path costs more than a whole op call.
     """
-    if device_type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
-        return "flashinfer"
+    if device_type == "cuda":
+        for name, package in (("flashinfer", "flashinfer"), ("triton", "triton")):
+            if importlib.util.find_spec(package) is not None:
+                return name
     return "reference"
 
 

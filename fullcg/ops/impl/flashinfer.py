@@ -44,10 +44,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "(flashinfer-python 0.6.4); or choose attention_impl='triton' or 'reference'"
     ) from exc
 
-from fullcg.context import AttentionMetadata, ForwardContext
+from fullcg.context import ForwardContext
+from fullcg.metadata import AttentionMetadata
 from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
+from fullcg.ops.impl.base import AttentionImpl
 from fullcg.ops.kernels.save_kv import save_new_kv
 
 __all__ = ["FlashInferAttention", "WORKSPACE_BYTES", "DENSE_BACKEND"]
@@ -56,7 +58,7 @@ __all__ = ["FlashInferAttention", "WORKSPACE_BYTES", "DENSE_BACKEND"]
 #: recommends 128 MiB. Kernels of one device run in stream order, so sharing is safe.
 WORKSPACE_BYTES = 128 * 1024 * 1024
 #: FlashAttention-2 kernels run on every GPU FlashInfer supports and JIT-compile about four
-#: times faster than fa3 on Hopper (REFERENCE.md); paged, ragged and tensor-core decode
+#: times faster than fa3 on Hopper (measured on an H200); paged, ragged and tensor-core decode
 #: share one compiled module per dtype and head dim.
 DENSE_BACKEND = "fa2"
 #: The only FlashInfer 0.6.4 backend that honours ``skip_softmax_threshold_scale_factor``.
@@ -173,7 +175,7 @@ def _ragged_indices(md: AttentionMetadata, kind: _Kind, slots: int | None, padde
     return _Indices(qo, kv)
 
 
-class FlashInferAttention:
+class FlashInferAttention(AttentionImpl):
     """FlashInfer kernels behind fullcg's attention ops; see the module docstring."""
 
     name = "flashinfer"

@@ -2,7 +2,7 @@
 
 FlashInfer honours a skip-softmax factor only on Blackwell; these kernels make it real on
 any GPU Triton supports (and on the CPU under ``TRITON_INTERPRET=1``, which the tests use).
-Decisions follow DESIGN.md's rule at the config's tile sizes, exactly as the reference
+Decisions follow the skip rule (docs/ops.md) at the config's tile sizes, exactly as the reference
 implementation walks them, so results, skip decisions and counters can be compared.
 
 Non-decode requests (prefill, extend) go through the prefill kernel with the prefill
@@ -23,6 +23,7 @@ from fullcg.context import ForwardContext
 from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
+from fullcg.ops.impl.base import AttentionImpl
 from fullcg.ops.kernels.save_kv import save_new_kv
 from fullcg.ops.kernels import decode_attention, prefill_attention
 
@@ -53,26 +54,61 @@ def _check_supported(call: AttentionCall, ctx: ForwardContext, cache: KVCache | 
         )
 
 
-class TritonAttention:
+class _Step:
+    """What every attention call of one step shares: the metadata tensors on the device,
+    host facts of the batch, and the decode workspace (see ``decode_attention``)."""
+
+    def __init__(self, ctx: ForwardContext, device: torch.device) -> None:
+        md = ctx.metadata
+        self.device = device
+        self.query_start_loc = md.query_start_loc.to(device)
+        self.is_decode = md.is_decode.to(device)
+        self.page_table = md.page_table.to(device)
+        self.seq_lens = md.seq_lens.to(device)
+        self.prefix_lens = md.prefix_lens_tensor.to(device)
+        self.num_tokens = md.num_tokens_tensor.to(device)
+        # A graph captured for a batch that is not decode-only may be replayed for any mix,
+        # so it holds both kernels (each skips the other's requests on the device).
+        self.capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self.decode_only = md.is_decode_only
+        self.has_decode = self.capturing or md.has_decode
+        self.workspace: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lse: dict[tuple[int, int], torch.Tensor] = {}
+        self.checked: set[tuple[object, ...]] = set()
+
+
+class TritonAttention(AttentionImpl):
     """Skip-softmax attention in Triton; see the module docstring."""
 
     name = "triton"
     capture_safe = True
 
-    #: New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe).
-    save_kv = staticmethod(save_new_kv)
+    def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
+        """New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe)."""
+        save_new_kv(call, ctx, cache)
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""
-        _check_supported(call, ctx, cache)
-        md = ctx.metadata
-        cfg = ctx.config.skip_softmax
         q, out = call.q, call.out
         dev = q.device
+        step = ctx.memo.get(_Step)
+        if step is None or step.device != dev:
+            step = ctx.memo[_Step] = _Step(ctx, dev)
+        support_key = (q.shape[2], call.v.shape[2], q.dtype, cache.k.dtype if cache is not None else None)
+        if support_key not in step.checked:
+            _check_supported(call, ctx, cache)
+            step.checked.add(support_key)
+        md = ctx.metadata
+        cfg = ctx.config.skip_softmax
         # Every row of lse is written: by the kernels for real rows, as -inf for padding.
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
-        qloc = md.query_start_loc.to(dev)
-        is_decode = md.is_decode.to(dev)
+        # Nobody reads it unless asked for, so those calls share one buffer per step.
+        if call.return_lse:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
+        else:
+            lse = step.lse.get(q.shape[:2])
+            if lse is None:
+                lse = step.lse[q.shape[:2]] = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
+        qloc = step.query_start_loc
         prefill_factor, decode_factor = call.prefill_scale_factor, call.decode_scale_factor
         counters = (
             telemetry.counters(call.layer_id, dev)
@@ -80,11 +116,10 @@ class TritonAttention:
             else None
         )
 
-        source: dict[str, torch.Tensor] = {}
         if cache is not None:
             k, v = cache.k, cache.v
             causal = True
-            source = dict(page_table=md.page_table.to(dev), seq_lens=md.seq_lens.to(dev))
+            source = dict(page_table=step.page_table, seq_lens=step.seq_lens)
             max_kv_len = md.page_table.shape[1] * cache.page_size
         else:
             k, v = call.k, call.v
@@ -98,25 +133,22 @@ class TritonAttention:
                 max_kv_len = q.shape[0]
             source = dict(kv_start_loc=kv_loc)
 
-        # Which kernels run is a host decision on the batch's modes; a CUDA graph captured
-        # for a batch that is not decode-only may be replayed for any mix, so it holds both
-        # kernels (each skips the other's requests on the device). The decode merge kernel
+        # Which kernels run is a host decision on the batch's modes. The decode merge kernel
         # always runs: it writes the padding rows (zeros, LSE -inf), reading the real token
         # count on the device, so a replay with another count is right.
-        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not md.is_decode_only:
+        if not step.decode_only:
             prefill_attention(
                 q, k, v, out, lse, counters,
-                query_start_loc=qloc, is_decode=is_decode, scale=call.scale, causal=causal,
+                query_start_loc=qloc, is_decode=step.is_decode, scale=call.scale, causal=causal,
                 factor=prefill_factor, tile_q=cfg.tile_q, tile_kv=cfg.tile_kv,
-                prefix_lens=md.prefix_lens_tensor.to(dev) if cache is not None else None,
+                prefix_lens=step.prefix_lens if cache is not None else None,
                 **source,
             )
         decode_attention(
             q, k, v, out, lse, counters,
-            query_start_loc=qloc, is_decode=is_decode, scale=call.scale, factor=decode_factor,
+            query_start_loc=qloc, is_decode=step.is_decode, scale=call.scale, factor=decode_factor,
             tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
-            num_tokens=md.num_tokens_tensor.to(dev), has_decode=capturing or md.has_decode, **source,
+            num_tokens=step.num_tokens, has_decode=step.has_decode, workspace=step.workspace, **source,
         )
         return lse if call.return_lse else None
 

@@ -4,7 +4,7 @@
   KV cache or from ragged k/v, causal or not, GQA-packed row blocks, LSE out.
 * :func:`decode_attention`: split-KV decode over the same sources, reduced by LSE.
 
-Both apply DESIGN.md's skip-softmax rule at the config's tile sizes and add tiles visited
+Both apply the skip-softmax rule of docs/ops.md at the config's tile sizes and add tiles visited
 and skipped to a layer's ``int64 [2, 2]`` counter tensor with atomics. Set
 ``TRITON_INTERPRET=1`` before importing this package to run the kernels on the CPU.
 """

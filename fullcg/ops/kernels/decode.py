@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fullcg.ops.kernels.launch import Launcher
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["decode_attention", "MAX_DENSE_SPLITS"]
@@ -196,6 +197,10 @@ def _decode_merge_kernel(
     tl.store(Lse + q_row * stride_lt + head, lse, mask=g_ok)
 
 
+_SPLIT = Launcher(_decode_split_kernel)
+_MERGE = Launcher(_decode_merge_kernel)
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,6 +222,7 @@ def decode_attention(
     num_tokens: torch.Tensor | None = None,
     num_splits: int | None = None,
     has_decode: bool = True,
+    workspace: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
@@ -234,6 +240,10 @@ def decode_attention(
     ``has_decode=False`` promises the batch has no decode request (a host fact; never when
     capturing a graph that may be replayed for other batches): only the padding rows are
     written, with no split launch and no workspace.
+
+    ``workspace`` (a dict the caller keeps for one step) lends the split results' buffers
+    to every call of the step with the same shape: calls on one stream run in order, so a
+    layer's merge has read them before the next layer's split writes them.
     """
     src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
     num_requests = query_start_loc.shape[0] - 1
@@ -265,30 +275,42 @@ def decode_attention(
         num_tokens = torch.full((1,), q.shape[0], dtype=torch.int32, device=q.device)
     if not has_decode:
         max_splits = 1  # nothing reads the workspace: the merge kernel only writes padding rows
-    part_out = torch.empty((num_requests, max_splits, num_q_heads, head_dim_v), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_requests, max_splits, num_q_heads), dtype=torch.float32, device=q.device)
+    shape = (num_requests, max_splits, num_q_heads, head_dim_v)
+    parts = workspace.get(shape) if workspace is not None else None
+    if parts is None:
+        parts = (
+            torch.empty(shape, dtype=torch.float32, device=q.device),
+            torch.empty(shape[:3], dtype=torch.float32, device=q.device),
+        )
+        if workspace is not None:
+            workspace[shape] = parts
+    part_out, part_lse = parts
     if not src.paged:
         seq_lens = query_start_loc  # unused
     ctr = counters if skip else part_lse  # unused unless skip
     block_m = max(16, triton.next_power_of_2(group))
     if has_decode:
-        _decode_split_kernel[(max_splits, num_kv_heads, num_requests)](
-            q, k, v, part_out, part_lse, ctr,
-            src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
-            q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
-            *src.strides, src.stride_page_table,
-            scale * _LOG2E, float(factor) if skip else 0.0, num_splits,
-            GROUP=group, BLOCK_M=block_m, BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
-            HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=src.paged, PAGE_SIZE=src.page_size,
-            SKIP=skip, DOT_F32=q.dtype == torch.float32,
-            num_warps=num_warps, num_stages=num_stages,
+        _SPLIT(
+            (max_splits, num_kv_heads, num_requests),
+            (
+                q, k, v, part_out, part_lse, ctr,
+                src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
+                q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
+                *src.strides, src.stride_page_table,
+                scale * _LOG2E, float(factor) if skip else 0.0, num_splits,
+            ),
+            (group, block_m, tile_kv, split_tiles, head_dim, head_dim_v, src.paged, src.page_size, skip,
+             q.dtype == torch.float32),
+            num_warps, num_stages,
         )
-    _decode_merge_kernel[(num_kv_heads, num_requests + 1)](
-        part_out, part_lse, out, lse,
-        query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
-        num_requests, q.shape[0], num_splits,
-        out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=tile_kv, SPLIT_TILES=split_tiles,
-        BLOCK_S=16, HEAD_DV=head_dim_v, PAGED=src.paged,
-        num_warps=4,
+    _MERGE(
+        (num_kv_heads, num_requests + 1, 1),
+        (
+            part_out, part_lse, out, lse,
+            query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
+            num_requests, q.shape[0], num_splits,
+            out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
+        ),
+        (group, triton.next_power_of_2(group), tile_kv, split_tiles, 16, head_dim_v, src.paged),
+        4, 3,
     )

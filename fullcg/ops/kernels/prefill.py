@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fullcg.ops.kernels.launch import Launcher
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["prefill_attention"]
@@ -130,6 +131,9 @@ def _prefill_kernel(
         tl.atomic_add(Ctr + 1, n_skipped.to(tl.int64))
 
 
+_PREFILL = Launcher(_prefill_kernel)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,14 +182,16 @@ def prefill_attention(
     if num_stages is None:
         num_stages = 2
     grid = (triton.cdiv(q.shape[0], tile_q), num_kv_heads, num_requests)
-    _prefill_kernel[grid](
-        q, k, v, out, lse, ctr,
-        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, prefix_lens, is_decode,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        *src.strides, src.stride_page_table,
-        scale * _LOG2E, float(factor) if skip else 0.0,
-        GROUP=group, TILE_Q=tile_q, BLOCK_M=block_m, BLOCK_N=tile_kv,
-        HEAD_D=head_dim, HEAD_DV=head_dim_v, PAGED=src.paged, PAGE_SIZE=src.page_size,
-        CAUSAL=causal, SKIP=skip, DOT_F32=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+    _PREFILL(
+        grid,
+        (
+            q, k, v, out, lse, ctr,
+            src.page_table, query_start_loc, src.kv_start_loc, seq_lens, prefix_lens, is_decode,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            *src.strides, src.stride_page_table,
+            scale * _LOG2E, float(factor) if skip else 0.0,
+        ),
+        (group, tile_q, block_m, tile_kv, head_dim, head_dim_v, src.paged, src.page_size, causal, skip,
+         q.dtype == torch.float32),
+        num_warps, num_stages,
     )

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fullcg.ops.kernels.launch import Launcher
+
 if TYPE_CHECKING:
     from fullcg.context import ForwardContext
     from fullcg.kv_cache import KVCache
@@ -37,6 +39,9 @@ def _save_kv_kernel(
         tl.store(v_cache_ptr + slot * ROW_V + ov, y, mask=ov < ROW_V)
 
 
+_SAVE = Launcher(_save_kv_kernel)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x [T, H, D]`` with each token's ``H * D`` values contiguous (a view when they already are)."""
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
@@ -53,13 +58,17 @@ def save_kv_to_cache(
         return
     k, v = _rows(k.to(k_cache.dtype)), _rows(v.to(v_cache.dtype))
     row_k, row_v = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
-    _save_kv_kernel[(n,)](
-        k, v, slot_mapping, k_cache, v_cache, k.stride(0), v.stride(0),
-        ROW_K=row_k, ROW_V=row_v, BLOCK_K=triton.next_power_of_2(row_k), BLOCK_V=triton.next_power_of_2(row_v),
+    _SAVE(
+        (n, 1, 1),
+        (k, v, slot_mapping, k_cache, v_cache, k.stride(0), v.stride(0)),
+        (row_k, row_v, triton.next_power_of_2(row_k), triton.next_power_of_2(row_v)),
+        4, 3,
     )
 
 
 def save_new_kv(call: "AttentionCall", ctx: "ForwardContext", cache: "KVCache") -> None:
     """An implementation's ``save_kv``: the step's new k/v to ``metadata.slot_mapping``, on the device."""
     slots = ctx.metadata.slot_mapping
-    save_kv_to_cache(call.k[: slots.shape[0]], call.v[: slots.shape[0]], slots, cache.k, cache.v)
+    n = slots.shape[0]
+    k, v = call.k, call.v
+    save_kv_to_cache(k if k.shape[0] == n else k[:n], v if v.shape[0] == n else v[:n], slots, cache.k, cache.v)

@@ -1,0 +1,55 @@
+"""The base class of attention implementations: what the ops call, with the defaults."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fullcg.ops import torch_ops
+
+if TYPE_CHECKING:
+    from fullcg.context import ForwardContext
+    from fullcg.kv_cache import KVCache
+    from fullcg.ops.call import AttentionCall
+
+__all__ = ["AttentionImpl"]
+
+
+class AttentionImpl:
+    """Computes what the ``fullcg`` attention ops promise; subclass it and override :meth:`forward`.
+
+    Attributes:
+        name: what ``FullCGConfig(attention_impl=...)`` calls it.
+        capture_safe: :meth:`forward` and :meth:`save_kv` may be captured in a CUDA graph
+            and replayed for other batches of the same padded shape, of every batch kind
+            (decode-only, mixed, prefill): they read per-step data only from the metadata's
+            tensors (never host values such as ``query_lens``), sync nothing, and allocate
+            only shape-determined memory. Full graphs are captured only with such an
+            implementation; others run those steps piecewise.
+    """
+
+    name: str = ""
+    capture_safe: bool = False
+
+    def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
+        """Compute ``call`` into ``call.out``; return LSE ``float32 [T, Hq]`` iff ``call.return_lse``.
+
+        ``cache`` is the layer's KV cache when ``call.use_kv_cache`` (the new tokens are
+        already in it); attend over each request's prefix and new tokens there. Otherwise
+        attend over ``call.k``/``call.v``. Rows of ``out`` past the batch's real tokens are
+        zeroed (LSE -inf there).
+        """
+        raise NotImplementedError(f"attention implementation {self.name!r} does not define forward()")
+
+    def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
+        """Write the batch's new k/v into the layer's cache (``metadata.slot_mapping``; slots
+        < 0 are padding and skipped). Runs before :meth:`forward` whenever ``call.save_kv_cache``."""
+        torch_ops.save_new_kv(call.k, call.v, ctx.metadata, cache)
+
+    def plan(self, ctx: ForwardContext) -> None:
+        """Per-step host work (schedules, index buffers) for ``ctx``'s batch.
+
+        The runner calls it before replaying a captured full graph, outside capture; eager
+        calls of :meth:`forward` plan lazily themselves. The default has nothing to plan.
+        """

@@ -1,0 +1,94 @@
+"""Launching a Triton kernel with little host work.
+
+``kernel[grid](...)`` binds and specialises every argument, builds a cache key and checks
+globals on each call: tens of microseconds for a kernel of thirty arguments, paid per
+layer per step when attention runs eagerly between captured pieces. :class:`Launcher`
+keeps the compiled kernel per specialisation under a key it builds cheaply (exact int
+values, tensor dtypes and 16-byte alignment: never coarser than Triton's own key, so a
+hit is always the kernel Triton would pick) and calls its launcher directly.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) it launches the ordinary way.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import triton
+
+__all__ = ["Launcher"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _key(arg: Any) -> Any:
+    kind = type(arg)
+    if kind is int:
+        return arg  # exact: finer than Triton's (== 1, divisible by 16, 32/64 bit)
+    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15
+    return kind  # float, bool, None: Triton does not specialise on their values
+
+
+def _unspecialised_key(arg: Any) -> Any:
+    # Parameters marked do_not_specialize: Triton only tells 32-bit from 64-bit ints.
+    return -(2**31) <= arg < 2**31 if type(arg) is int else _key(arg)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler) is installed: then launch the ordinary way, which feeds it."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Launcher:
+    """Calls one ``@triton.jit`` kernel: ``launcher(grid, args, constexprs, num_warps, num_stages)``.
+
+    ``args`` are the kernel's runtime arguments in signature order and ``constexprs`` its
+    ``tl.constexpr`` parameters (which follow them) in order.
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        params = inspect.signature(fn.fn).parameters.values()
+        is_constexpr = [("constexpr" in str(p.annotation)) for p in params]
+        self.constexpr_names = tuple(p.name for p, c in zip(params, is_constexpr) if c)
+        num_runtime = len(is_constexpr) - len(self.constexpr_names)
+        if any(is_constexpr[:num_runtime]):
+            raise TypeError(f"{fn.fn.__name__}: constexpr parameters must come after the runtime ones")
+        unspecialised = set(getattr(fn, "do_not_specialize", None) or ())
+        self._key_fns = tuple(
+            _unspecialised_key if p.name in unspecialised or i in unspecialised else _key
+            for i, p in enumerate(list(params)[:num_runtime])
+        )
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(
+        self, grid: tuple[int, int, int], args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int
+    ) -> None:
+        if _INTERPRET or _hooked():
+            self._launch_jit(grid, args, constexprs, num_warps, num_stages)
+            return
+        key = (constexprs, num_warps, num_stages, *[f(a) for f, a in zip(self._key_fns, args)])
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            self._compiled[key] = self._launch_jit(grid, args, constexprs, num_warps, num_stages)
+            return
+        device = args[0].device.index
+        stream = torch._C._cuda_getCurrentRawStream(device if device is not None else torch.cuda.current_device())
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   *args, *constexprs)
+
+    def _launch_jit(
+        self, grid: tuple[int, int, int], args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int
+    ) -> Any:
+        kernel = self.fn[grid](
+            *args, **dict(zip(self.constexpr_names, constexprs)), num_warps=num_warps, num_stages=num_stages
+        )
+        if hasattr(kernel, "result"):  # compiled asynchronously
+            kernel = kernel.result()
+        return kernel
