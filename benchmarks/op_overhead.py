@@ -3,6 +3,7 @@
     python benchmarks/op_overhead.py                  # CPU: an implementation that does nothing
     python benchmarks/op_overhead.py --device cuda    # GPU: the triton kernels, 8B layer shape
     python benchmarks/op_overhead.py --device cuda --json out.json
+    python benchmarks/op_overhead.py --device cuda --step-layers 4   # + host time of compiled steps
 
 Piecewise steps run attention eagerly between captured pieces, so this host time is paid
 per layer per step. On the GPU the call is a decode batch (default batch 1, 1k context) of
@@ -90,6 +91,42 @@ def gpu(args: argparse.Namespace) -> dict:
             end.synchronize()
             times.append(start.elapsed_time(end) / 20 * 1e3)
         out["wall_us_per_call_gpu_bound_or_host_bound"] = statistics.median(times)
+    if args.step_layers:
+        out.update(compiled_steps(args, dev))
+    return out
+
+
+def compiled_steps(args: argparse.Namespace, dev: torch.device) -> dict:
+    """Host time of whole compiled decode steps of an 8B-shaped model with few layers, per
+    graph mode: what the runner, the piece replays and the eager attention calls cost."""
+    from fullcg.models.llama import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig.llama3_8b(num_layers=args.step_layers)
+    model = LlamaModel(cfg, seed=0, dtype=torch.bfloat16, device=dev)
+    page = 16
+    pages = -(-(args.context + 1) // page)
+    model.allocate_kv_cache(args.batch * pages + 4, page)
+    table = torch.arange(args.batch * pages, dtype=torch.int32).view(args.batch, pages)
+    md = fullcg.AttentionMetadata.build([1] * args.batch, [args.context] * args.batch, table, page, device=dev)
+    ids = torch.zeros(args.batch, dtype=torch.long, device=dev)
+    pos = torch.full((args.batch,), args.context, dtype=torch.long, device=dev)
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    out = {"step_layers": args.step_layers}
+    for mode in ("piecewise", "full"):
+        torch._dynamo.reset()
+        config = fullcg.FullCGConfig(attention_impl="triton", graph_mode=mode, capture_sizes=(args.batch,))
+        compiled = torch.compile(model, backend=fullcg.Backend(config))
+
+        def step() -> None:
+            with fullcg.forward_context(md, model, config=config):
+                compiled(ids, pos)
+
+        with torch.inference_mode():
+            host = per_call_us(step, n=10, repeats=args.repeats, sync=torch.cuda.synchronize)
+        out[f"{mode}_step_host_us"] = host
+        out[f"{mode}_step_host_us_per_layer"] = host / args.step_layers
+        del compiled
     return out
 
 
@@ -126,6 +163,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--step-layers", type=int, default=0, help="also time compiled steps of a model this deep")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     result = gpu(args) if args.device == "cuda" else cpu(args)

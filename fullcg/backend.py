@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
+from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
@@ -67,6 +68,16 @@ def _compile_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence
     return PieceCall(name, compile_fx(gm, list(example_inputs)), unwrap_single=single)
 
 
+def _eager_split_point(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """A split point's code, calling fullcg ops' Python kernels directly (no dispatcher, no
+    ``nn.Module.__call__``): it runs eagerly between pieces on every step of every layer."""
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in EAGER_KERNELS:
+            node.target = EAGER_KERNELS[node.target]
+    return torch.fx.GraphModule(gm, graph).forward
+
+
 class _PieceCompiler(torch.fx.Interpreter):
     """Runs the split graph on fake inputs, compiling each non-breakable piece on the way
     with the (symbolic) inputs it actually receives."""
@@ -83,7 +94,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         piece = next(p for p in self.split.pieces if p.name == target)
         self.dump.graph(f"{self.variant}/{piece.name}.py", piece.graph_module)
         if piece.breakable:
-            self.calls[target] = PieceCall(target, piece.graph_module)
+            self.calls[target] = PieceCall(target, _eager_split_point(piece.graph_module))
         else:
             self.calls[target] = _compile_piece(target, piece.graph_module, args, self.compiler)
         return super().call_module(target, args, kwargs)

@@ -55,15 +55,22 @@ class Captured:
     input_ptrs: tuple[int, ...]
 
 
-def capture_graph(fn: Callable[..., Any], args: Sequence[Any], device: torch.device, pool: Any) -> Captured:
+def capture_graph(
+    fn: Callable[..., Any], args: Sequence[Any], device: torch.device, pool: Any,
+    before_capture: Callable[[], None] | None = None,
+) -> Captured:
     """Warm ``fn`` up once, then capture it in ``pool`` (the capture does not compute).
 
     ``pool`` is one compiled graph's pool (``torch.cuda.graph_pool_handle()``), shared by all
     its pieces and sizes. It lives as long as its graphs: a pool whose graphs were all freed
-    cannot be captured into again.
+    cannot be captured into again. ``before_capture`` runs between warm-up and capture
+    (the runner drops the step's memo there: buffers the warm-up made must not be baked
+    into the graph, which would outlive them).
     """
     fn(*args)  # first runs allocate workspaces, pick kernels, JIT-compile: never inside a capture
     torch.cuda.synchronize(device)
+    if before_capture is not None:
+        before_capture()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = fn(*args)

@@ -215,7 +215,9 @@ class StepRunner:
         with derived_context(ctx, config=self.config, variant="full", padded_size=size, metadata=md) as static_ctx:
             entry = self.full_graphs.get(key)
             if entry is None:
-                entry = self.full_graphs[key] = cudagraph.capture_graph(self.full, staged, self.device, self.pool)
+                entry = self.full_graphs[key] = cudagraph.capture_graph(
+                    self.full, staged, self.device, self.pool, before_capture=static_ctx.memo.clear
+                )
             assert self._impl is not None  # resolved by full_capture_ok()
             self._impl.plan(static_ctx)
             entry.graph.replay()

@@ -39,6 +39,7 @@ __all__ = [
     "gather_prefix_chunk",
     "ATTENTION_OPS",
     "ATTRIBUTE_NAMES",
+    "EAGER_KERNELS",
 ]
 
 _BREAKABLE_TAGS: tuple[torch.Tag, ...] = (
@@ -51,12 +52,20 @@ _BREAKABLE_TAGS: tuple[torch.Tag, ...] = (
 _lib = torch.library.Library("fullcg", "DEF")
 
 
+#: ``op overload -> its Python kernel``. Split points of a piecewise graph call the kernel
+#: directly: they run eagerly, never traced again, so the dispatcher's round trip (every
+#: argument boxed and unboxed) is pure per-layer host cost there.
+EAGER_KERNELS: dict[object, object] = {}
+
+
 def _register(name: str, schema: str, kernel: object, fake: object, tags: tuple[torch.Tag, ...] = ()) -> object:
     """Define ``fullcg::name``, its kernel for every device, and its fake; return the overload."""
     _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
     _lib.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"fullcg::{name}", fake, lib=_lib)
-    return getattr(torch.ops.fullcg, name).default
+    overload = getattr(torch.ops.fullcg, name).default
+    EAGER_KERNELS[overload] = kernel
+    return overload
 
 
 #: The attributes every attention op takes after ``q, k, v, out``, in schema order.

@@ -25,7 +25,8 @@ from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
 from fullcg.ops.impl.base import AttentionImpl
 from fullcg.ops.kernels.save_kv import save_new_kv
-from fullcg.ops.kernels import decode_attention, prefill_attention
+from fullcg.ops.kernels.decode import DecodeLaunch, plan_decode
+from fullcg.ops.kernels.prefill import PrefillLaunch, plan_prefill
 
 __all__ = ["TritonAttention"]
 
@@ -74,6 +75,7 @@ class _Step:
         self.has_decode = self.capturing or md.has_decode
         self.workspace: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.lse: dict[tuple[int, int], torch.Tensor] = {}
+        self.launches: dict[tuple[object, ...], tuple[PrefillLaunch | None, DecodeLaunch]] = {}
         self.checked: set[tuple[object, ...]] = set()
 
 
@@ -98,8 +100,6 @@ class TritonAttention(AttentionImpl):
         if support_key not in step.checked:
             _check_supported(call, ctx, cache)
             step.checked.add(support_key)
-        md = ctx.metadata
-        cfg = ctx.config.skip_softmax
         # Every row of lse is written: by the kernels for real rows, as -inf for padding.
         # Nobody reads it unless asked for, so those calls share one buffer per step.
         if call.return_lse:
@@ -108,49 +108,68 @@ class TritonAttention(AttentionImpl):
             lse = step.lse.get(q.shape[:2])
             if lse is None:
                 lse = step.lse[q.shape[:2]] = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
-        qloc = step.query_start_loc
         prefill_factor, decode_factor = call.prefill_scale_factor, call.decode_scale_factor
         counters = (
             telemetry.counters(call.layer_id, dev)
             if prefill_factor is not None or decode_factor is not None
             else None
         )
-
         if cache is not None:
             k, v = cache.k, cache.v
+        else:
+            k, v = call.k, call.v
+        # Everything the launches derive from besides the layer's own tensors.
+        key = (q.shape, q.stride(), out.stride(), k.stride(), v.stride(), q.dtype, cache is not None, call.causal,
+               call.prefix_chunk, call.scale, prefill_factor, decode_factor)
+        launches = step.launches.get(key)
+        if launches is None:
+            launches = step.launches[key] = self._plan(call, ctx, step, cache, k, v, lse)
+        prefill, decode = launches
+        if prefill is not None:
+            prefill(q, k, v, out, lse, counters)
+        decode(q, k, v, out, lse, counters)
+        return lse if call.return_lse else None
+
+    @staticmethod
+    def _plan(
+        call: AttentionCall, ctx: ForwardContext, step: _Step, cache: KVCache | None, k: torch.Tensor,
+        v: torch.Tensor, lse: torch.Tensor,
+    ) -> tuple[PrefillLaunch | None, DecodeLaunch]:
+        """The kernel launches of this step for calls shaped like ``call``."""
+        md = ctx.metadata
+        cfg = ctx.config.skip_softmax
+        q, out, dev = call.q, call.out, call.q.device
+        qloc = step.query_start_loc
+        if cache is not None:
             causal = True
             source = dict(page_table=step.page_table, seq_lens=step.seq_lens)
             max_kv_len = md.page_table.shape[1] * cache.page_size
+        elif call.prefix_chunk is not None:
+            causal = False
+            source = dict(kv_start_loc=md.prefix_chunks[call.prefix_chunk].kv_start_loc.to(dev))
+            max_kv_len = md.prefix_chunk_tokens
         else:
-            k, v = call.k, call.v
-            if call.prefix_chunk is not None:
-                causal = False
-                kv_loc = md.prefix_chunks[call.prefix_chunk].kv_start_loc.to(dev)
-                max_kv_len = md.prefix_chunk_tokens
-            else:
-                causal = call.causal
-                kv_loc = qloc
-                max_kv_len = q.shape[0]
-            source = dict(kv_start_loc=kv_loc)
-
+            causal = call.causal
+            source = dict(kv_start_loc=qloc)
+            max_kv_len = q.shape[0]
         # Which kernels run is a host decision on the batch's modes. The decode merge kernel
         # always runs: it writes the padding rows (zeros, LSE -inf), reading the real token
         # count on the device, so a replay with another count is right.
+        prefill = None
         if not step.decode_only:
-            prefill_attention(
-                q, k, v, out, lse, counters,
+            prefill = plan_prefill(
+                q, k, v, out, lse,
                 query_start_loc=qloc, is_decode=step.is_decode, scale=call.scale, causal=causal,
-                factor=prefill_factor, tile_q=cfg.tile_q, tile_kv=cfg.tile_kv,
-                prefix_lens=step.prefix_lens if cache is not None else None,
-                **source,
+                factor=call.prefill_scale_factor, tile_q=cfg.tile_q, tile_kv=cfg.tile_kv,
+                prefix_lens=step.prefix_lens if cache is not None else None, **source,
             )
-        decode_attention(
-            q, k, v, out, lse, counters,
-            query_start_loc=qloc, is_decode=step.is_decode, scale=call.scale, factor=decode_factor,
+        decode = plan_decode(
+            q, k, v, out, lse,
+            query_start_loc=qloc, is_decode=step.is_decode, scale=call.scale, factor=call.decode_scale_factor,
             tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
             num_tokens=step.num_tokens, has_decode=step.has_decode, workspace=step.workspace, **source,
         )
-        return lse if call.return_lse else None
+        return prefill, decode
 
 
 register_implementation(TritonAttention())

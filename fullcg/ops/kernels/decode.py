@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.launch import Launcher
+from fullcg.ops.kernels.launch import Launcher, raw_stream, static_key
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
-__all__ = ["decode_attention", "MAX_DENSE_SPLITS"]
+__all__ = ["decode_attention", "plan_decode", "DecodeLaunch", "MAX_DENSE_SPLITS"]
 
 _LOG2E = 1.4426950408889634
 
@@ -201,13 +201,52 @@ _SPLIT = Launcher(_decode_split_kernel)
 _MERGE = Launcher(_decode_merge_kernel)
 
 
-def decode_attention(
+class DecodeLaunch:
+    """The decode kernels' launches for one step and one layer shape, derived once.
+
+    Calling it runs them for one layer: only that layer's tensors (``q``, ``k``, ``v``,
+    ``out``, ``lse``, counters) differ between the calls of a step, so grids, strides,
+    split counts, workspace and the compiled kernels are worked out by :func:`plan_decode`
+    and every call only assembles arguments and launches.
+    """
+
+    def __init__(
+        self, split_grid, split_tail, split_constexprs, merge_grid, merge_tail, merge_constexprs,
+        part_out, part_lse, has_decode, skip, num_warps, num_stages, device,
+    ) -> None:
+        self.split_grid, self.split_tail, self.split_constexprs = split_grid, split_tail, split_constexprs
+        self.merge_grid, self.merge_tail, self.merge_constexprs = merge_grid, merge_tail, merge_constexprs
+        self.part_out, self.part_lse = part_out, part_lse
+        self.has_decode, self.skip = has_decode, skip
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.device = device
+        self._split_key: tuple | None = None
+        self._merge_key: tuple | None = None
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        counters: torch.Tensor | None,
+    ) -> None:
+        stream = raw_stream(self.device)
+        if self.has_decode:
+            ctr = counters if self.skip else self.part_lse  # unused unless skip
+            args = (q, k, v, self.part_out, self.part_lse, ctr, *self.split_tail)
+            if self._split_key is None:
+                self._split_key = static_key(args, self.split_constexprs, self.num_warps, self.num_stages)
+            _SPLIT.launch_keyed(self.split_grid, args, self.split_constexprs, self.num_warps, self.num_stages,
+                                self._split_key, stream)
+        args = (self.part_out, self.part_lse, out, lse, *self.merge_tail)
+        if self._merge_key is None:
+            self._merge_key = static_key(args, self.merge_constexprs, 4, 3)
+        _MERGE.launch_keyed(self.merge_grid, args, self.merge_constexprs, 4, 3, self._merge_key, stream)
+
+
+def plan_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    counters: torch.Tensor | None,
     *,
     query_start_loc: torch.Tensor,
     is_decode: torch.Tensor,
@@ -225,34 +264,14 @@ def decode_attention(
     workspace: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-) -> None:
-    """Attention of every decode request of a batch into ``out`` and ``lse``.
-
-    ``k``/``v`` are the paged cache (with ``page_table`` and ``seq_lens``) or ragged rows
-    (with ``kv_start_loc``), as in :func:`fullcg.ops.kernels.prefill.prefill_attention`.
-    ``max_kv_len`` is a fixed upper bound on any request's keys (not read off the device).
-    ``split_tiles`` (skip-softmax runs) None means one run over all keys when skipping, the
-    reference's unsplit walk. Dense decode splits each request into ``num_splits`` runs
-    (default: enough programs to fill the GPU, at most :data:`MAX_DENSE_SPLITS`).
-
-    ``num_tokens`` (``int32 [1]``, default: all rows) is the real token count: rows at or
-    past it, and rows no request owns, are written as zeros with LSE -inf.
-    ``has_decode=False`` promises the batch has no decode request (a host fact; never when
-    capturing a graph that may be replayed for other batches): only the padding rows are
-    written, with no split launch and no workspace.
-
-    ``workspace`` (a dict the caller keeps for one step) lends the split results' buffers
-    to every call of the step with the same shape: calls on one stream run in order, so a
-    layer's merge has read them before the next layer's split writes them.
-    """
+) -> DecodeLaunch:
+    """Plan the decode kernels for calls shaped like these tensors (see :func:`decode_attention`)."""
     src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
     num_requests = query_start_loc.shape[0] - 1
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, head_dim_v = v.shape[-2], v.shape[-1]
     group = num_q_heads // num_kv_heads
     skip = factor is not None
-    if skip and counters is None:
-        raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
     max_tiles = max(1, triton.cdiv(max_kv_len, tile_kv))
     if skip or split_tiles is not None:
         # Runs of a fixed number of tiles: the skip rule's "first tile of a run" depends on
@@ -287,30 +306,59 @@ def decode_attention(
     part_out, part_lse = parts
     if not src.paged:
         seq_lens = query_start_loc  # unused
-    ctr = counters if skip else part_lse  # unused unless skip
     block_m = max(16, triton.next_power_of_2(group))
-    if has_decode:
-        _SPLIT(
-            (max_splits, num_kv_heads, num_requests),
-            (
-                q, k, v, part_out, part_lse, ctr,
-                src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
-                q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
-                *src.strides, src.stride_page_table,
-                scale * _LOG2E, float(factor) if skip else 0.0, num_splits,
-            ),
-            (group, block_m, tile_kv, split_tiles, head_dim, head_dim_v, src.paged, src.page_size, skip,
-             q.dtype == torch.float32),
-            num_warps, num_stages,
-        )
-    _MERGE(
-        (num_kv_heads, num_requests + 1, 1),
-        (
-            part_out, part_lse, out, lse,
-            query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
-            num_requests, q.shape[0], num_splits,
-            out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
-        ),
-        (group, triton.next_power_of_2(group), tile_kv, split_tiles, 16, head_dim_v, src.paged),
-        4, 3,
+    split_tail = (
+        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
+        q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
+        *src.strides, src.stride_page_table,
+        scale * _LOG2E, float(factor) if skip else 0.0, num_splits,
     )
+    split_constexprs = (group, block_m, tile_kv, split_tiles, head_dim, head_dim_v, src.paged, src.page_size, skip,
+                        q.dtype == torch.float32)
+    merge_tail = (
+        query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
+        num_requests, q.shape[0], num_splits,
+        out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
+    )
+    merge_constexprs = (group, triton.next_power_of_2(group), tile_kv, split_tiles, 16, head_dim_v, src.paged)
+    return DecodeLaunch(
+        (max_splits, num_kv_heads, num_requests), split_tail, split_constexprs,
+        (num_kv_heads, num_requests + 1, 1), merge_tail, merge_constexprs,
+        part_out, part_lse, has_decode, skip, num_warps, num_stages, q.device,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    counters: torch.Tensor | None,
+    **options: object,
+) -> None:
+    """Attention of every decode request of a batch into ``out`` and ``lse``.
+
+    Keyword options (those of :func:`plan_decode`): ``query_start_loc``, ``is_decode``,
+    ``scale``, ``factor``, ``tile_kv``, ``split_tiles``, ``max_kv_len``, and the source:
+    ``k``/``v`` are the paged cache (with ``page_table`` and ``seq_lens``) or ragged rows
+    (with ``kv_start_loc``), as in :func:`fullcg.ops.kernels.prefill.prefill_attention`.
+    ``max_kv_len`` is a fixed upper bound on any request's keys (not read off the device).
+    ``split_tiles`` (skip-softmax runs) None means one run over all keys when skipping, the
+    reference's unsplit walk. Dense decode splits each request into ``num_splits`` runs
+    (default: enough programs to fill the GPU, at most :data:`MAX_DENSE_SPLITS`).
+
+    ``num_tokens`` (``int32 [1]``, default: all rows) is the real token count: rows at or
+    past it, and rows no request owns, are written as zeros with LSE -inf.
+    ``has_decode=False`` promises the batch has no decode request (a host fact; never when
+    capturing a graph that may be replayed for other batches): only the padding rows are
+    written, with no split launch and no workspace.
+
+    ``workspace`` (a dict the caller keeps for one step) lends the split results' buffers
+    to every call of the step with the same shape: calls on one stream run in order, so a
+    layer's merge has read them before the next layer's split writes them. Callers that
+    attend many layers per step plan once with :func:`plan_decode` and call the plan.
+    """
+    if options.get("factor") is not None and counters is None:
+        raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
+    plan_decode(q, k, v, out, lse, **options)(q, k, v, out, lse, counters)

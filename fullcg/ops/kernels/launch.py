@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import triton
 
-__all__ = ["Launcher"]
+__all__ = ["Launcher", "raw_stream", "static_key"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -37,6 +37,20 @@ def _key(arg: Any) -> Any:
 def _unspecialised_key(arg: Any) -> Any:
     # Parameters marked do_not_specialize: Triton only tells 32-bit from 64-bit ints.
     return -(2**31) <= arg < 2**31 if type(arg) is int else _key(arg)
+
+
+def raw_stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as the raw handle kernel launchers take (0 on the CPU)."""
+    if device.type != "cuda":
+        return 0
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def static_key(args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int) -> tuple[Any, ...]:
+    """A key that fixes the specialisation of ``args`` but for tensor alignment: exact ints,
+    tensor dtypes, constexprs and launch options. Built once per step and shape."""
+    return (constexprs, num_warps, num_stages,
+            *[a.dtype if isinstance(a, torch.Tensor) else a if type(a) is int else type(a) for a in args])
 
 
 def _hooked() -> bool:
@@ -66,6 +80,7 @@ class Launcher:
             for i, p in enumerate(list(params)[:num_runtime])
         )
         self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._by_static_key: dict[Any, tuple[tuple[int, ...], dict[tuple[int, ...], Any]]] = {}
 
     def __call__(
         self, grid: tuple[int, int, int], args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int
@@ -80,6 +95,35 @@ class Launcher:
             return
         device = args[0].device.index
         stream = torch._C._cuda_getCurrentRawStream(device if device is not None else torch.cuda.current_device())
+        kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   *args, *constexprs)
+
+    def launch_keyed(
+        self,
+        grid: tuple[int, int, int],
+        args: Sequence[Any],
+        constexprs: tuple[Any, ...],
+        num_warps: int,
+        num_stages: int,
+        static_key: Any,
+        stream: int,
+    ) -> None:
+        """Launch on ``stream`` (a raw CUDA stream) when the caller vouches that ``static_key``
+        fixes the specialisation of every argument but the tensors' alignment (checked here):
+        the per-layer path, which builds its key once per step and shape."""
+        if _INTERPRET or _hooked():
+            self._launch_jit(grid, args, constexprs, num_warps, num_stages)
+            return
+        entry = self._by_static_key.get(static_key)
+        if entry is None:
+            positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            entry = self._by_static_key[static_key] = (positions, {})
+        positions, kernels = entry
+        alignment = tuple([args[i].data_ptr() & 15 for i in positions])
+        kernel = kernels.get(alignment)
+        if kernel is None:
+            kernels[alignment] = self._launch_jit(grid, args, constexprs, num_warps, num_stages)
+            return
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *args, *constexprs)
 

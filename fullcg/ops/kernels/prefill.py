@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.launch import Launcher
+from fullcg.ops.kernels.launch import Launcher, raw_stream, static_key
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
-__all__ = ["prefill_attention"]
+__all__ = ["prefill_attention", "plan_prefill", "PrefillLaunch"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -134,13 +134,32 @@ def _prefill_kernel(
 _PREFILL = Launcher(_prefill_kernel)
 
 
-def prefill_attention(
+class PrefillLaunch:
+    """The prefill kernel's launch for one step and one layer shape, derived once; calling
+    it runs the kernel for one layer's tensors (see :func:`plan_prefill`)."""
+
+    def __init__(self, grid, tail, constexprs, skip, num_warps, num_stages, device) -> None:
+        self.grid, self.tail, self.constexprs = grid, tail, constexprs
+        self.skip, self.num_warps, self.num_stages, self.device = skip, num_warps, num_stages, device
+        self._key: tuple | None = None
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        counters: torch.Tensor | None,
+    ) -> None:
+        args = (q, k, v, out, lse, counters if self.skip else lse, *self.tail)
+        if self._key is None:
+            self._key = static_key(args, self.constexprs, self.num_warps, self.num_stages)
+        _PREFILL.launch_keyed(self.grid, args, self.constexprs, self.num_warps, self.num_stages, self._key,
+                              raw_stream(self.device))
+
+
+def plan_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    counters: torch.Tensor | None,
     *,
     query_start_loc: torch.Tensor,
     is_decode: torch.Tensor,
@@ -155,16 +174,8 @@ def prefill_attention(
     kv_start_loc: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> None:
-    """Attention of every non-decode request of a batch into ``out`` and ``lse``.
-
-    With ``page_table`` (plus ``seq_lens`` and ``prefix_lens``), ``k``/``v`` are the paged
-    cache ``[pages, page_size, Hkv, D]`` and attention is causal over prefix plus new tokens.
-    Without, ``k``/``v`` are ragged ``[rows, Hkv, D]`` and request ``r`` owns rows
-    ``kv_start_loc[r] : kv_start_loc[r + 1]``. ``factor`` None is dense attention;
-    otherwise skip-softmax with ``lambda = factor / kv_len`` and tiles counted into
-    ``counters[0]``. ``lse`` is written in natural log for the rows computed here.
-    """
+) -> PrefillLaunch:
+    """Plan the prefill kernel for calls shaped like these tensors (see :func:`prefill_attention`)."""
     src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
     num_requests = query_start_loc.shape[0] - 1
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -174,24 +185,42 @@ def prefill_attention(
     if not src.paged:
         seq_lens = prefix_lens = query_start_loc  # unused
     skip = factor is not None
-    ctr = counters if (skip and counters is not None) else lse  # unused unless skip
-    if skip and counters is None:
-        raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
     if num_warps is None:
         num_warps = 8 if block_m * max(head_dim, head_dim_v) >= 128 * 128 else 4
     if num_stages is None:
         num_stages = 2
-    grid = (triton.cdiv(q.shape[0], tile_q), num_kv_heads, num_requests)
-    _PREFILL(
-        grid,
-        (
-            q, k, v, out, lse, ctr,
-            src.page_table, query_start_loc, src.kv_start_loc, seq_lens, prefix_lens, is_decode,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-            *src.strides, src.stride_page_table,
-            scale * _LOG2E, float(factor) if skip else 0.0,
-        ),
-        (group, tile_q, block_m, tile_kv, head_dim, head_dim_v, src.paged, src.page_size, causal, skip,
-         q.dtype == torch.float32),
-        num_warps, num_stages,
+    tail = (
+        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, prefix_lens, is_decode,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        *src.strides, src.stride_page_table,
+        scale * _LOG2E, float(factor) if skip else 0.0,
     )
+    constexprs = (group, tile_q, block_m, tile_kv, head_dim, head_dim_v, src.paged, src.page_size, causal, skip,
+                  q.dtype == torch.float32)
+    grid = (triton.cdiv(q.shape[0], tile_q), num_kv_heads, num_requests)
+    return PrefillLaunch(grid, tail, constexprs, skip, num_warps, num_stages, q.device)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    counters: torch.Tensor | None,
+    **options: object,
+) -> None:
+    """Attention of every non-decode request of a batch into ``out`` and ``lse``.
+
+    Keyword options (those of :func:`plan_prefill`): ``query_start_loc``, ``is_decode``,
+    ``scale``, ``causal``, ``factor``, ``tile_q``, ``tile_kv`` and the source. With
+    ``page_table`` (plus ``seq_lens`` and ``prefix_lens``), ``k``/``v`` are the paged
+    cache ``[pages, page_size, Hkv, D]`` and attention is causal over prefix plus new tokens.
+    Without, ``k``/``v`` are ragged ``[rows, Hkv, D]`` and request ``r`` owns rows
+    ``kv_start_loc[r] : kv_start_loc[r + 1]``. ``factor`` None is dense attention;
+    otherwise skip-softmax with ``lambda = factor / kv_len`` and tiles counted into
+    ``counters[0]``. ``lse`` is written in natural log for the rows computed here.
+    """
+    if options.get("factor") is not None and counters is None:
+        raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
+    plan_prefill(q, k, v, out, lse, **options)(q, k, v, out, lse, counters)

@@ -56,7 +56,9 @@ def save_kv_to_cache(
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    k, v = _rows(k.to(k_cache.dtype)), _rows(v.to(v_cache.dtype))
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k, v = _rows(k), _rows(v)
     row_k, row_v = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
     _SAVE(
         (n, 1, 1),
