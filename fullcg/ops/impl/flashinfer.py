@@ -441,13 +441,15 @@ class FlashInferAttention(AttentionImpl):
                     return_lse=lse is not None, **extra,
                 )
             else:
-                plan.wrapper.run(q, pages, out=target, lse=lse, return_lse=lse is not None, **extra)
+                qs, ts, ls = self._planned_rows(plan, md, q, target, lse)
+                plan.wrapper.run(qs, pages, out=ts, lse=ls, return_lse=lse is not None, **extra)
         else:
             rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
             if plan.kv_rows > rows:
                 raise ValueError(f"{where}: the plan reads {plan.kv_rows} rows of k/v but only {rows} are valid")
+            qs, ts, ls = self._planned_rows(plan, md, q, target, lse)
             plan.wrapper.run(
-                q, call.k.contiguous(), call.v.contiguous(), out=target, lse=lse, return_lse=lse is not None
+                qs, call.k.contiguous(), call.v.contiguous(), out=ts, lse=ls, return_lse=lse is not None
             )
 
         dead = self._dead_rows(call, md, q.shape[0], q.device)
@@ -459,6 +461,18 @@ class FlashInferAttention(AttentionImpl):
         lse.mul_(_LN2)  # FlashInfer's log2 -> natural log
         lse.masked_fill_(dead[:, None], float("-inf"))
         return lse
+
+    @staticmethod
+    def _planned_rows(
+        plan: _Plan, md: AttentionMetadata, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The rows a prefill plan covers: all (padded) rows for a CUDA-graph plan, the real
+        tokens for an exact one (FlashInfer checks q's rows against the plan's last indptr;
+        the padding rows are zeroed afterwards as dead rows)."""
+        if plan.slots is not None or q.shape[0] == md.num_tokens:
+            return q, out, lse
+        n = md.num_tokens
+        return q[:n], out[:n], None if lse is None else lse[:n]
 
     @staticmethod
     def _dead_rows(call: AttentionCall, md: AttentionMetadata, num_rows: int, device: torch.device) -> torch.Tensor:
