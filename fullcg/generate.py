@@ -192,6 +192,9 @@ class BatchScheduler:
             budget -= chunk
         if not plan:
             raise RuntimeError("no request could be scheduled; this is a bug in BatchScheduler")
+        # The budget went to decodes first; the batch itself lists requests in the order they joined.
+        order = {id(req): i for i, req in enumerate(self.running)}
+        plan.sort(key=lambda entry: order[id(entry[0])])
         return self._build(plan)
 
     def _build(self, plan: list[tuple[Request, int]]) -> Step:

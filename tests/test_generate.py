@@ -32,12 +32,13 @@ def _drive(sched: BatchScheduler, token: int = 5) -> list:
 # --- the scheduler ---
 
 
-def test_no_step_exceeds_the_token_budget_and_decodes_come_first():
-    steps = _drive(BatchScheduler(PROMPTS, 4, num_pages=64, page_size=4, max_num_tokens=6))
-    for step in steps:
+def test_no_step_exceeds_the_token_budget_and_every_decoding_request_gets_its_token_first():
+    sched = BatchScheduler(PROMPTS, 4, num_pages=64, page_size=4, max_num_tokens=6)
+    while (step := sched.next_step()) is not None:
+        decoding = [r for r in sched.running if not r.in_prompt]
         assert step.metadata.num_tokens <= 6
-        modes = [m.value for m in step.modes]
-        assert modes == sorted(modes, key=lambda m: m != "decode")  # decodes lead the batch
+        assert all(r in step.requests for r in decoding)  # prompts only get what decodes leave
+        sched.advance(step, [5 if r is not None else None for r in step.sample_rows])
 
 
 def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
