@@ -11,7 +11,7 @@ from fullcg.models.generate import greedy_generate
 from fullcg.models.llama import LlamaConfig, LlamaModel
 
 PROMPTS = [list(range(3, 16)), [7, 19, 31, 43, 55], [11, 23, 35], [90, 91, 92, 93, 94, 95, 96]]
-EAGER = fullcg.FullCGConfig(compiler="eager")
+EAGER = fullcg.FullCGConfig(compiler="eager", graph_mode="full_and_piecewise")
 
 
 def _llama(num_pages: int = 64, page_size: int = 4) -> LlamaModel:

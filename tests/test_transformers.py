@@ -237,3 +237,16 @@ def test_seeded_sampling_on_an_hf_model_is_reproducible():
     first = fullcg.generate(model, GENERATE_PROMPTS, 6, **kw)
     assert fullcg.generate(model, GENERATE_PROMPTS, 6, **kw) == first
     assert first != fullcg.generate(model, GENERATE_PROMPTS, 6, **{**kw, "seed": 8})
+
+
+def test_the_generate_benchmark_runs_in_smoke_mode_and_agrees_with_hf(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location("benchmark_generate", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch._dynamo.reset()
+    assert bench.main(["--smoke", "--engines", "hf,fullcg", "--warmup", "0", "--repeats", "1"]) == 0
+    assert "'fullcg/mixed64': 1.0" in capsys.readouterr().out
