@@ -10,7 +10,9 @@ The public surface:
 - :func:`merge_attn_states`: exact merge of two partial attention results by LSE;
 - :func:`skip_softmax_stats`, :func:`reset_skip_softmax_stats`: skip-softmax counters;
 - :func:`capture`: capture CUDA graphs for every capture size up front;
-- :func:`graph_mode_counts`: how compiled steps ran (full/piecewise, captured/eager).
+- :func:`graph_mode_counts`: how compiled steps ran (full/piecewise, captured/eager);
+- :func:`generate`: offline generation with continuous batching (any fullcg model, or a
+  Hugging Face one through :mod:`fullcg.integrations.transformers`).
 
 Importing fullcg registers the ``torch.ops.fullcg`` ops.
 """
@@ -24,6 +26,9 @@ from fullcg.layer import Attention
 from fullcg.ops import merge_attn_states
 from fullcg.runner import capture, graph_mode_counts, reset_graph_mode_counts
 from fullcg.telemetry import SkipSoftmaxStats, reset_skip_softmax_stats, skip_softmax_stats
+
+# Last: the generation module uses the names above through the package.
+from fullcg.generate import generate  # noqa: E402  (binds fullcg.generate to the function)
 
 __version__ = "0.1.0"
 
@@ -40,6 +45,7 @@ __all__ = [
     "graph_mode_counts",
     "reset_graph_mode_counts",
     "forward_context",
+    "generate",
     "get_forward_context",
     "merge_attn_states",
     "reset_skip_softmax_stats",

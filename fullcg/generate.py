@@ -1,0 +1,473 @@
+"""Offline generation with continuous batching: :func:`generate` and its scheduler.
+
+:class:`BatchScheduler` turns prompts into steps the way an inference engine does: each
+step has a token budget; requests already decoding get one token each first, then prompts
+are fed in chunks that fit what is left (chunked prefill: prefill, then extend); waiting
+requests join as soon as the budget, the request limit and the KV cache allow; a
+finished request's pages go back to the pool and are reused. Every step's inputs and
+:class:`fullcg.AttentionMetadata` are built here; a step may mix prefill, extend and
+decode requests.
+
+:func:`generate` drives any model built on :class:`fullcg.Attention` (or a Hugging Face
+causal LM prepared with :func:`fullcg.integrations.transformers.prepare`) through those
+steps: it compiles the model with the fullcg backend, captures CUDA graphs up front on a
+GPU, and samples (greedy by default; temperature, top-k and top-p with a seed).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import fullcg
+
+__all__ = ["Request", "Step", "BatchScheduler", "Sampler", "generate"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence: its prompt, what it generated, and where its KV lives."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    generated: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0  # tokens whose k/v are in the cache
+    pages: list[int] = dataclasses.field(default_factory=list)
+    stopped: bool = False  # generated a stop token
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or len(self.generated) >= self.max_new_tokens
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.num_cached < len(self.prompt)
+
+    @property
+    def kv_capacity(self) -> int:
+        """Most tokens whose k/v this request ever stores (its last token is never fed back)."""
+        return len(self.prompt) + max(self.max_new_tokens - 1, 0)
+
+
+@dataclasses.dataclass
+class Step:
+    """One model call: inputs, metadata, and which requests sample a token from which row."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: fullcg.AttentionMetadata
+    requests: list[Request]
+    sample_rows: list[int | None]  # row of the logits each request samples from, None mid-prompt
+
+    @property
+    def modes(self) -> tuple[fullcg.ForwardMode, ...]:
+        return self.metadata.forward_modes
+
+
+class BatchScheduler:
+    """Continuous batching over a paged KV cache of ``num_pages`` pages of ``page_size`` tokens.
+
+    Args:
+        prompts: token ids per request.
+        max_new_tokens: tokens to generate, for every request or one count per request.
+        num_pages, page_size: the paged KV cache the model holds.
+        max_num_tokens: token budget of one step (None: unlimited). Decoding requests are
+            served first, one token each; prompts fill what is left, in chunks.
+        max_num_seqs: most requests in flight at once (None: unlimited).
+        prefill_chunk: most prompt tokens one request feeds in a step (None: only the
+            budget limits it).
+        stop_token_ids: a request ends after generating one of these (it is kept in the output).
+        prefix_chunk_tokens, device: passed on to :meth:`fullcg.AttentionMetadata.build`
+            and used for step tensors.
+
+    A request joins only when pages for its whole sequence (prompt plus
+    ``max_new_tokens``) are free, so nothing is ever preempted; its pages return to the
+    pool when it finishes.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        prefill_chunk: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+        prefix_chunk_tokens: int = 4096,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("every request needs a non-empty prompt")
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(counts) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(counts)} counts for {len(prompts)} prompts; give one per prompt")
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+            raise ValueError(f"max_new_tokens must be positive integers, got {max_new_tokens!r}")
+        for name, value in (("max_num_tokens", max_num_tokens), ("max_num_seqs", max_num_seqs),
+                            ("prefill_chunk", prefill_chunk), ("num_pages", num_pages), ("page_size", page_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.requests = [Request(list(p), c) for p, c in zip(prompts, counts)]
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk = prefill_chunk
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.prefix_chunk_tokens = prefix_chunk_tokens
+        self.device = torch.device(device)
+        for i, req in enumerate(self.requests):
+            if self._pages_for(req) > num_pages:
+                raise RuntimeError(
+                    f"request {i} needs {self._pages_for(req)} KV-cache pages ({req.kv_capacity} tokens) but the cache "
+                    f"has {num_pages}; allocate more pages or shorten the prompt / max_new_tokens"
+                )
+        self.waiting: collections.deque[Request] = collections.deque(self.requests)
+        self.running: list[Request] = []
+        self._free_pages: collections.deque[int] = collections.deque(range(num_pages))
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _pages_for(self, req: Request) -> int:
+        return math.ceil(req.kv_capacity / self.page_size)
+
+    def _admit(self) -> Request | None:
+        """The next waiting request, with its pages, if the request limit and the cache allow."""
+        if not self.waiting or (self.max_num_seqs is not None and len(self.running) >= self.max_num_seqs):
+            return None
+        req = self.waiting[0]
+        need = self._pages_for(req)
+        if need > len(self._free_pages):
+            return None
+        self.waiting.popleft()
+        req.pages = [self._free_pages.popleft() for _ in range(need)]
+        self.running.append(req)
+        return req
+
+    def next_step(self) -> Step | None:
+        """The next batch of work, or None when every request is done."""
+        if self.finished:
+            return None
+        budget = self.max_num_tokens if self.max_num_tokens is not None else math.inf
+        plan: list[tuple[Request, int]] = []  # (request, new tokens this step)
+        # Decodes first: one token each keeps every started request moving.
+        for req in self.running:
+            if not req.in_prompt and budget >= 1:
+                plan.append((req, 1))
+                budget -= 1
+        # Then prompts: requests mid-prompt, then newcomers, in chunks that fit the budget.
+        prompting = [r for r in self.running if r.in_prompt]
+        while budget >= 1:
+            if prompting:
+                req = prompting.pop(0)
+            elif (req := self._admit()) is None:
+                break
+            chunk = len(req.prompt) - req.num_cached
+            if self.prefill_chunk is not None:
+                chunk = min(chunk, self.prefill_chunk)
+            chunk = int(min(chunk, budget))
+            plan.append((req, chunk))
+            budget -= chunk
+        if not plan:
+            raise RuntimeError("no request could be scheduled; this is a bug in BatchScheduler")
+        # The budget went to decodes first; the batch itself lists requests in the order they joined.
+        order = {id(req): i for i, req in enumerate(self.running)}
+        plan.sort(key=lambda entry: order[id(entry[0])])
+        return self._build(plan)
+
+    def _build(self, plan: list[tuple[Request, int]]) -> Step:
+        ids: list[int] = []
+        pos: list[int] = []
+        q_lens, p_lens, modes, rows = [], [], [], []
+        for req, n in plan:
+            prefix = req.num_cached
+            if req.in_prompt:
+                new = req.prompt[prefix : prefix + n]
+                mode = fullcg.ForwardMode.PREFILL if prefix == 0 else fullcg.ForwardMode.EXTEND
+            else:
+                new = [req.tokens[-1]]
+                mode = fullcg.ForwardMode.DECODE
+            ids += new
+            pos += range(prefix, prefix + len(new))
+            q_lens.append(len(new))
+            p_lens.append(prefix)
+            modes.append(mode)
+            rows.append(len(ids) - 1 if prefix + len(new) >= len(req.prompt) else None)
+        width = max(len(req.pages) for req, _ in plan)
+        table = torch.zeros(len(plan), width, dtype=torch.int32)
+        for i, (req, _) in enumerate(plan):
+            table[i, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int32)
+        md = fullcg.AttentionMetadata.build(
+            q_lens, p_lens, table, self.page_size, modes, prefix_chunk_tokens=self.prefix_chunk_tokens,
+            device=self.device,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        # The token count changes every step: tell Dynamo up front, so one graph serves all.
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        return Step(input_ids, positions, md, [req for req, _ in plan], rows)
+
+    def advance(self, step: Step, tokens: Sequence[int | None]) -> list[Request]:
+        """Record that ``step`` ran and what it sampled (one entry per request, None mid-prompt).
+
+        Returns the requests that finished; their pages are back in the pool.
+        """
+        finished = []
+        for req, q_len, row, token in zip(step.requests, step.metadata.query_lens, step.sample_rows, tokens):
+            req.num_cached += q_len
+            if row is None:
+                continue
+            if token is None:
+                raise ValueError("a request that finished its prompt in this step needs a sampled token")
+            req.generated.append(int(token))
+            req.stopped = int(token) in self.stop_token_ids
+            if req.done:
+                finished.append(req)
+        for req in finished:
+            self.running.remove(req)
+            self._free_pages.extend(req.pages)  # reused by the next requests to join
+            req.pages = []
+        return finished
+
+
+class Sampler:
+    """Picks each request's next token from its logits row.
+
+    ``temperature == 0`` is greedy (argmax; ``top_k``/``top_p`` are then ignored).
+    Otherwise the logits are divided by ``temperature``, cut to the ``top_k`` largest and
+    to the smallest set whose probability reaches ``top_p``, and sampled from with a
+    generator seeded by ``seed`` (None: torch's global generator), so a seed reproduces
+    a run with the same prompts and settings.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p!r}")
+        self.temperature = float(temperature)
+        self.top_k = top_k
+        self.top_p = top_p
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [R, V]`` -> token ids ``int64 [R]``."""
+        logits = logits.float()
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        logits = logits / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        if self.top_p is not None and self.top_p < 1:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            # Drop a token when the more likely ones already reach top_p (the first always stays).
+            drop = probs.cumsum(dim=-1) - probs >= self.top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+        probs = logits.softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=self._generator(probs.device)).squeeze(-1)
+
+
+def _step_module(model: nn.Module) -> nn.Module:
+    """The module to run steps with: ``model`` itself, or a transformers model's packed wrapper."""
+    if hasattr(getattr(model, "config", None), "_attn_implementation"):  # a transformers PreTrainedModel
+        from fullcg.integrations.transformers import PackedCausalLM
+
+        return PackedCausalLM(model)
+    return model
+
+
+class _CompiledCache(dict):
+    """Compiled step modules of one model, by config; a copy of the model starts without any
+    (the compiled modules would still point at the original)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CompiledCache:
+        return _CompiledCache()
+
+
+def _compiled_step(model: nn.Module, config: fullcg.FullCGConfig) -> tuple[nn.Module, Callable[..., Any], bool]:
+    """(step module, its compiled form, whether it is new), reused across calls for one model and config.
+
+    Kept in a plain dict on the model (not a submodule, so module walks never see it), so a
+    second :func:`generate` call neither recompiles nor recaptures.
+    """
+    cache: dict[fullcg.FullCGConfig, tuple[nn.Module, Callable[..., Any]]] = model.__dict__.setdefault(
+        "_fullcg_compiled", _CompiledCache()
+    )
+    if config in cache:
+        return (*cache[config], False)
+    module = _step_module(model)
+    compiled = torch.compile(module, backend=fullcg.Backend(config))
+    cache[config] = (module, compiled)
+    return module, compiled, True
+
+
+class _Progress:
+    """A progress bar over finished requests (tqdm when installed, else a log line per 10%)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self._bar = total, 0, None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc="fullcg.generate", unit="req")
+            except ImportError:
+                pass
+
+    def update(self, n: int, new_tokens: int) -> None:
+        if not self.enabled or n == 0:
+            return
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+            self._bar.set_postfix(tokens=new_tokens, refresh=False)
+        elif self.done == self.total or self.done % max(1, self.total // 10) < n:
+            logger.info("fullcg.generate: %d/%d requests done, %d tokens generated", self.done, self.total, new_tokens)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int | Sequence[int] = 16,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token_ids: Iterable[int] | None = None,
+    max_num_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    prefill_chunk: int | None = None,
+    compile: bool = True,
+    config: fullcg.FullCGConfig | None = None,
+    progress: bool = True,
+) -> list[list[int]]:
+    """Generate tokens for ``prompts`` with continuous batching; returns the new ids per prompt, in order.
+
+    Args:
+        model: a model built on :class:`fullcg.Attention`, called as ``model(input_ids [T],
+            positions [T]) -> logits [T, vocab]``, with KV caches allocated; or a
+            transformers causal LM after :func:`fullcg.integrations.transformers.prepare`.
+        prompts: token ids per request.
+        max_new_tokens: tokens to generate, for every request or one count per request.
+        temperature, top_k, top_p, seed: sampling (see :class:`Sampler`); greedy by default.
+        stop_token_ids: a request ends after one of these (kept in its output). None: the
+            model's ``generation_config.eos_token_id`` for a transformers model, else none.
+        max_num_tokens: token budget of one step (chunked prefill fills what decodes leave).
+        max_num_seqs: most requests in flight at once.
+        prefill_chunk: most prompt tokens one request feeds in a step (None: the budget).
+        compile: run the model through ``torch.compile(backend=fullcg.Backend(config))``
+            (compiled once per model and config, and reused); on a GPU, CUDA graphs for
+            every capture size are captured before the first step.
+        config: the fullcg config (graph mode, compiler, attention implementation);
+            default :meth:`fullcg.FullCGConfig.from_env`.
+        progress: show a progress bar over finished requests.
+
+    The output excludes the prompt. A request stopped by a stop token is shorter than
+    ``max_new_tokens``. Greedy output is what the model's own greedy decoding gives.
+    """
+    config = config or fullcg.FullCGConfig.from_env()
+    sampler = Sampler(temperature, top_k, top_p, seed)
+    layers = [m for m in model.modules() if isinstance(m, fullcg.Attention)]
+    if not layers or any(a.kv_cache is None for a in layers):
+        raise RuntimeError(
+            f"{type(model).__name__} needs a paged KV cache in every fullcg.Attention layer: allocate it "
+            "(e.g. model.allocate_kv_cache(num_pages, page_size)) or, for a transformers model, call "
+            "fullcg.integrations.transformers.prepare(model, num_pages=..., page_size=...)"
+        )
+    cache = layers[0].kv_cache
+    if compile:
+        module, run, new = _compiled_step(model, config)
+    else:
+        module = _step_module(model)
+        run, new = module, False
+    if stop_token_ids is None:
+        stop_token_ids = getattr(module, "default_stop_token_ids", ())
+    sched = BatchScheduler(
+        prompts, max_new_tokens, num_pages=cache.num_pages, page_size=cache.page_size,
+        max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
+        stop_token_ids=stop_token_ids, device=cache.k.device,
+    )
+    bar = _Progress(len(sched.requests), progress)
+    generated = 0
+    with torch.inference_mode():
+        if new and cache.k.device.type == "cuda" and config.graph_mode != "none":
+            _capture_up_front(run, module, cache.page_size, cache.k.device)
+        while (step := sched.next_step()) is not None:
+            with fullcg.forward_context(step.metadata, module, config=config):
+                logits = run(step.input_ids, step.positions)
+            rows = [r for r in step.sample_rows if r is not None]
+            tokens: list[int | None] = [None] * len(step.requests)
+            if rows:
+                picked = sampler(logits[torch.tensor(rows, device=logits.device)]).tolist()
+                it = iter(picked)
+                tokens = [next(it) if r is not None else None for r in step.sample_rows]
+                generated += len(rows)
+            bar.update(len(sched.advance(step, tokens)), generated)
+    bar.close()
+    return [req.generated for req in sched.requests]
+
+
+def _capture_up_front(run: Callable[..., Any], module: nn.Module, page_size: int, device: torch.device) -> None:
+    """Capture every CUDA-graph size now, so no step pays for a capture.
+
+    The stand-in step is one prompt token saved in page 0; that slot is overwritten before
+    any request reads it (a request's keys are always written before they are attended).
+    """
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    md = fullcg.AttentionMetadata.build([1], [0], table, page_size, device=device)
+    ids = torch.zeros(1, dtype=torch.long, device=device)
+    pos = torch.zeros(1, dtype=torch.long, device=device)
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    fullcg.capture(run, md, module, ids, pos)

@@ -1,0 +1,181 @@
+"""fullcg.generate and its continuous-batching scheduler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fullcg
+from fullcg.generate import BatchScheduler, Sampler
+from fullcg.models.generate import greedy_generate
+from fullcg.models.llama import LlamaConfig, LlamaModel
+
+PROMPTS = [list(range(3, 16)), [7, 19, 31, 43, 55], [11, 23, 35], [90, 91, 92, 93, 94, 95, 96]]
+EAGER = fullcg.FullCGConfig(compiler="eager", graph_mode="full_and_piecewise")
+
+
+def _llama(num_pages: int = 64, page_size: int = 4) -> LlamaModel:
+    model = LlamaModel(LlamaConfig.tiny(), seed=0)
+    model.allocate_kv_cache(num_pages=num_pages, page_size=page_size)
+    return model
+
+
+def _drive(sched: BatchScheduler, token: int = 5) -> list:
+    """Run the scheduler to the end without a model (every sampled token is ``token``); the steps."""
+    steps = []
+    while (step := sched.next_step()) is not None:
+        steps.append(step)
+        sched.advance(step, [token if r is not None else None for r in step.sample_rows])
+    return steps
+
+
+# --- the scheduler ---
+
+
+def test_no_step_exceeds_the_token_budget_and_every_decoding_request_gets_its_token_first():
+    sched = BatchScheduler(PROMPTS, 4, num_pages=64, page_size=4, max_num_tokens=6)
+    while (step := sched.next_step()) is not None:
+        decoding = [r for r in sched.running if not r.in_prompt]
+        assert step.metadata.num_tokens <= 6
+        assert all(r in step.requests for r in decoding)  # prompts only get what decodes leave
+        sched.advance(step, [5 if r is not None else None for r in step.sample_rows])
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
+    sched = BatchScheduler([list(range(1, 14))], 2, num_pages=16, page_size=4, max_num_tokens=5)
+    steps = _drive(sched)
+    assert [(s.modes[0].value, s.metadata.query_lens[0]) for s in steps[:3]] == [
+        ("prefill", 5), ("extend", 5), ("extend", 3)]
+    assert steps[2].sample_rows == [2] and steps[0].sample_rows == [None]  # a token only once the prompt is in
+
+
+def test_requests_join_as_others_finish_within_the_request_limit():
+    sched = BatchScheduler(PROMPTS, [2, 6, 3, 2], num_pages=64, page_size=4, max_num_seqs=2)
+    seen_together = []
+    while (step := sched.next_step()) is not None:
+        assert len(step.requests) <= 2
+        seen_together.append({sched.requests.index(r) for r in step.requests})
+        sched.advance(step, [5 if r is not None else None for r in step.sample_rows])
+    assert seen_together[0] == {0, 1}
+    assert {1, 2} in seen_together  # request 2 joined when request 0 finished, while 1 still ran
+    assert [len(r.generated) for r in sched.requests] == [2, 6, 3, 2]
+
+
+def test_pages_of_finished_requests_are_freed_and_reused():
+    # Room for one request at a time: each needs 3 or 4 of the 4 pages (prompt + 3 cached new tokens).
+    long_prompts = [list(range(1, 10)), list(range(20, 33)), list(range(40, 50))]
+    sched = BatchScheduler(long_prompts, 4, num_pages=4, page_size=4)
+    pages_seen = []
+    while (step := sched.next_step()) is not None:
+        assert len(step.requests) == 1
+        pages_seen.append(tuple(step.requests[0].pages))
+        sched.advance(step, [5 if r is not None else None for r in step.sample_rows])
+    assert set(pages_seen[-1]) & set(pages_seen[0])  # the last request runs on pages the first one freed
+    assert sched.num_free_pages == 4 and all(r.pages == [] for r in sched.requests)
+
+
+def test_a_stop_token_ends_a_request_and_is_kept():
+    sched = BatchScheduler([[1, 2, 3]], 10, num_pages=8, page_size=4, stop_token_ids=[5])
+    _drive(sched, token=5)
+    assert sched.requests[0].generated == [5]
+
+
+def test_a_request_larger_than_the_cache_is_refused_with_the_fix():
+    with pytest.raises(RuntimeError, match="request 1 needs 5 KV-cache pages.*allocate more pages"):
+        BatchScheduler([[1], list(range(17))], 4, num_pages=4, page_size=4)
+
+
+@pytest.mark.parametrize("bad", [dict(max_num_tokens=0), dict(max_num_seqs=-1), dict(prefill_chunk=0)])
+def test_non_positive_limits_are_refused(bad):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        BatchScheduler([[1]], 1, num_pages=4, page_size=4, **bad)
+
+
+def test_one_max_new_tokens_per_prompt_must_match_the_prompts():
+    with pytest.raises(ValueError, match="one per prompt"):
+        BatchScheduler([[1], [2]], [3], num_pages=4, page_size=4)
+
+
+# --- the sampler ---
+
+
+def test_sampling_with_top_k_1_or_a_tiny_top_p_is_greedy():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    greedy = logits.argmax(-1)
+    assert torch.equal(Sampler(temperature=1.0, top_k=1, seed=0)(logits), greedy)
+    assert torch.equal(Sampler(temperature=1.0, top_p=1e-6, seed=0)(logits), greedy)
+
+
+def test_top_k_and_top_p_only_ever_pick_allowed_tokens():
+    logits = torch.randn(2000, 20, generator=torch.Generator().manual_seed(1)) * 3
+    picked = Sampler(temperature=1.0, top_k=3, seed=0)(logits)
+    assert (logits.gather(1, picked[:, None]) >= logits.topk(3).values[:, -1:]).all()
+    probs = logits.softmax(-1)
+    picked = Sampler(temperature=1.0, top_p=0.5, seed=0)(logits)
+    # A token is allowed iff the tokens more likely than it hold less than top_p.
+    more_likely = (probs * (probs > probs.gather(1, picked[:, None]))).sum(-1)
+    assert (more_likely < 0.5).all()
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)])
+def test_bad_sampling_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        Sampler(**bad)
+
+
+# --- generate on a fullcg model ---
+
+
+def test_greedy_generate_equals_step_by_step_greedy_decoding_of_the_eager_model():
+    model = _llama()
+    expected = greedy_generate(model, PROMPTS, 5)
+    got = fullcg.generate(model, PROMPTS, 5, max_num_tokens=8, max_num_seqs=2, config=EAGER, progress=False)
+    assert got == expected
+
+
+def test_generate_returns_outputs_in_prompt_order_whatever_order_requests_finish_in():
+    model = _llama()
+    lengths = [6, 1, 4, 2]
+    got = fullcg.generate(model, PROMPTS, lengths, max_num_tokens=8, max_num_seqs=2, config=EAGER, progress=False)
+    assert [len(g) for g in got] == lengths
+    alone = [fullcg.generate(model, [p], n, config=EAGER, progress=False)[0] for p, n in zip(PROMPTS, lengths)]
+    assert got == alone
+
+
+def test_generate_through_a_small_cache_waits_for_pages_and_gives_the_same_tokens():
+    big, small = _llama(num_pages=64), _llama(num_pages=5)
+    expected = fullcg.generate(big, PROMPTS, 5, compile=False, progress=False)
+    assert fullcg.generate(small, PROMPTS, 5, compile=False, progress=False) == expected
+
+
+def test_generate_stops_at_a_stop_token_and_keeps_it():
+    model = _llama()
+    full = fullcg.generate(model, PROMPTS, 6, compile=False, progress=False)
+    stop = full[0][2]
+    got = fullcg.generate(model, PROMPTS, 6, stop_token_ids=[stop], compile=False, progress=False)
+    for g, f in zip(got, full):
+        assert g == (f[: f.index(stop) + 1] if stop in f else f)
+
+
+def test_seeded_sampling_is_reproducible_and_depends_on_the_seed():
+    model = _llama()
+    kw = dict(temperature=1.0, top_k=50, top_p=0.95, max_num_tokens=8, config=EAGER, progress=False)
+    a = fullcg.generate(model, PROMPTS, 8, seed=1, **kw)
+    assert fullcg.generate(model, PROMPTS, 8, seed=1, **kw) == a
+    assert fullcg.generate(model, PROMPTS, 8, seed=2, **kw) != a
+
+
+def test_generate_compiles_once_per_model_and_config():
+    torch._dynamo.reset()
+    model = _llama()
+    fullcg.reset_graph_mode_counts()
+    fullcg.generate(model, PROMPTS[:2], 3, config=EAGER, progress=False)
+    first = fullcg.graph_mode_counts()
+    assert first["full:eager"] > 0 and first["piecewise:eager"] > 0  # compiled: decode steps full, others piecewise
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        fullcg.generate(model, PROMPTS[2:], 3, config=EAGER, progress=False)
+
+
+def test_generate_without_a_kv_cache_names_the_fix():
+    with pytest.raises(RuntimeError, match="allocate_kv_cache"):
+        fullcg.generate(LlamaModel(LlamaConfig.tiny()), [[1, 2]], 2, progress=False)

@@ -1,0 +1,252 @@
+"""Hugging Face models on fullcg: per-step logits equal HF's own sdpa attention, refusals at prepare."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import ARCHITECTURES, build, build_pair, transformers
+
+import fullcg
+from fullcg.generate import BatchScheduler
+from fullcg.integrations import transformers as fhf
+
+# Prompt lengths chosen with a budget of 8 tokens per step so the steps are, in order:
+# prefill (chunked), extend + prefill, mixed (decode + prefill), decode-only, ...
+PROMPTS = [[3, 17, 29, 41, 53, 65, 77, 89, 101, 113, 125], [7, 19, 31, 43, 55], [11, 23, 35]]
+TOLERANCE = 1e-4
+
+
+def reference_logits(ref: torch.nn.Module, step) -> torch.Tensor:
+    """HF with sdpa on each request's whole sequence so far; the rows of this step's new tokens."""
+    rows = []
+    with torch.no_grad():
+        for req, q_len in zip(step.requests, step.metadata.query_lens):
+            seq = req.tokens[: req.num_cached + q_len]
+            rows.append(ref(torch.tensor([seq]), use_cache=False).logits[0, req.num_cached :])
+    return torch.cat(rows)
+
+
+def run_steps(ref, model_for_context, run, *, config=None, max_new_tokens=3):
+    """Drive ``run`` through prefill, chunked prefill, mixed and decode steps; returns the
+    largest logit difference from HF's sdpa and the set of forward modes of each step."""
+    sched = BatchScheduler(PROMPTS, max_new_tokens, num_pages=64, page_size=4, max_num_tokens=8)
+    worst, kinds = 0.0, []
+    while (step := sched.next_step()) is not None:
+        expected = reference_logits(ref, step)
+        with fullcg.forward_context(step.metadata, model_for_context, config=config), torch.no_grad():
+            got = run(step.input_ids, step.positions)
+        worst = max(worst, (got - expected).abs().max().item())
+        kinds.append(frozenset(m.value for m in step.modes))
+        # Both follow the reference's greedy tokens, so every step compares the same inputs.
+        sched.advance(step, [int(expected[r].argmax()) if r is not None else None for r in step.sample_rows])
+    return worst, kinds
+
+
+def test_the_steps_cover_prefill_chunked_prefill_mixed_and_decode():
+    ref, model, step_module = build_pair("llama")
+    _, kinds = run_steps(ref, step_module, step_module)
+    assert kinds[0] == {"prefill"}
+    assert {"extend", "prefill"} <= kinds[1]
+    assert any({"decode", "prefill"} <= k for k in kinds)  # mixed
+    assert {"decode"} in kinds  # decode-only
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_eager_logits_equal_hf_sdpa_every_step(arch):
+    ref, model, step_module = build_pair(arch)
+    worst, _ = run_steps(ref, step_module, step_module)
+    assert worst < TOLERANCE
+
+
+@pytest.mark.parametrize("graph_mode", fullcg.config.GRAPH_MODES)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_compiled_logits_equal_hf_sdpa_every_step_in_every_graph_mode(arch, graph_mode):
+    torch._dynamo.reset()
+    ref, model, step_module = build_pair(arch)
+    config = fullcg.FullCGConfig(graph_mode=graph_mode, compiler="eager")
+    compiled = torch.compile(step_module, backend=fullcg.Backend(config))
+    fullcg.reset_graph_mode_counts()
+    worst, kinds = run_steps(ref, step_module, compiled, config=config)
+    assert worst < TOLERANCE
+    counts = fullcg.graph_mode_counts()
+    assert sum(counts.values()) == len(kinds)  # every step ran compiled
+    if graph_mode == "full_and_piecewise":
+        assert counts["full:eager"] == sum(k == {"decode"} for k in kinds)
+
+
+def test_inductor_compiled_logits_equal_hf_sdpa():
+    torch._dynamo.reset()
+    ref, model, step_module = build_pair("qwen3")
+    config = fullcg.FullCGConfig(graph_mode="piecewise", compiler="inductor")
+    compiled = torch.compile(step_module, backend=fullcg.Backend(config))
+    worst, _ = run_steps(ref, step_module, compiled, config=config, max_new_tokens=2)
+    assert worst < TOLERANCE
+
+
+def test_the_hf_model_compiled_directly_with_packed_inputs_equals_hf_sdpa():
+    # The calling convention of the HF model itself: batch dimension 1, use_cache=False.
+    torch._dynamo.reset()
+    ref, model, _ = build_pair("llama")
+    config = fullcg.FullCGConfig(graph_mode="piecewise", compiler="eager")
+    compiled = torch.compile(model, backend=fullcg.Backend(config))
+
+    def run(ids, pos):
+        return compiled(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
+
+    worst, _ = run_steps(ref, model, run, config=config)
+    assert worst < TOLERANCE
+
+
+def test_prepare_attaches_one_fullcg_layer_per_hf_layer_with_hf_layer_ids_and_scale():
+    ref, model, _ = build_pair("qwen3", num_pages=8, page_size=16)
+    layers = fhf.attention_layers(model)
+    assert [a.layer_id for a in layers] == [0, 1]
+    hf_attn = model.model.layers[1].self_attn
+    assert layers[1] is hf_attn.fullcg_attention
+    assert layers[1].scale == hf_attn.scaling
+    assert (layers[1].num_heads, layers[1].num_kv_heads, layers[1].head_dim) == (4, 2, 16)
+    assert tuple(layers[1].kv_cache.k.shape) == (8, 16, 2, 16)
+    assert model.config._attn_implementation == "fullcg"
+
+
+def test_register_is_idempotent_and_fills_both_registries():
+    fhf.register()
+    fhf.register()
+    assert transformers.AttentionInterface._global_mapping["fullcg"] is fhf.attention_forward
+    assert "fullcg" in transformers.masking_utils.AttentionMaskInterface._global_mapping
+
+
+def test_the_model_config_built_with_attn_implementation_fullcg_runs_after_prepare():
+    fhf.register()
+    cls, config = ARCHITECTURES["llama"]()
+    model = cls._from_config(config, attn_implementation="fullcg").eval()
+    assert model.config._attn_implementation == "fullcg"
+    step_module = fhf.prepare(model, num_pages=8, page_size=4)
+    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]], dtype=torch.int32), 4)
+    with fullcg.forward_context(md, step_module), torch.no_grad():
+        assert step_module(torch.tensor([5, 6, 7]), torch.arange(3)).shape == (3, 128)
+
+
+def test_running_without_prepare_names_the_fix():
+    fhf.register()
+    model = build("llama")
+    model.set_attn_implementation("fullcg")
+    with pytest.raises(RuntimeError, match=r"prepare\(model"):
+        model(torch.tensor([[1, 2]]), use_cache=False)
+
+
+def test_a_transformers_cache_is_refused_with_the_fix():
+    ref, model, step_module = build_pair("llama")
+    md = fullcg.AttentionMetadata.build([2], [0], torch.tensor([[0]], dtype=torch.int32), 4)
+    with fullcg.forward_context(md, model), torch.no_grad():
+        model(torch.tensor([[1, 2]]), use_cache=True)  # the first call has no past: allowed
+        cache = transformers.DynamicCache(config=model.config)
+        model(torch.tensor([[1, 2]]), cache=cache, use_cache=True)
+        md2 = fullcg.AttentionMetadata.build([1], [2], torch.tensor([[0]], dtype=torch.int32), 4)
+        with fullcg.forward_context(md2, model), pytest.raises(ValueError, match="use_cache=False"):
+            model(torch.tensor([[3]]), position_ids=torch.tensor([[2]]), cache=cache, use_cache=True)
+
+
+def test_padded_batches_are_refused_with_the_fix():
+    ref, model, _ = build_pair("llama")
+    md = fullcg.AttentionMetadata.build([2, 2], [0, 0], torch.tensor([[0], [1]], dtype=torch.int32), 4)
+    with fullcg.forward_context(md, model), torch.no_grad(), pytest.raises(ValueError, match="packed batches"):
+        model(torch.tensor([[1, 2], [3, 4]]), use_cache=False)
+
+
+# --- refusals: what fullcg cannot run is refused at prepare, naming the feature and the layer ---
+
+
+def test_sliding_window_is_refused_naming_the_feature_and_layer():
+    cls, config = ARCHITECTURES["mistral"]()
+    config.sliding_window = 4096
+    with pytest.raises(fhf.UnsupportedModelError, match=r"sliding-window attention \(window 4096\).*layer 0"):
+        fhf.prepare(cls(config), num_pages=8, page_size=4)
+
+
+def test_a_sliding_window_on_some_layers_names_the_first_such_layer():
+    # Qwen2: layers from max_window_layers on use the window; layer 0 stays full attention.
+    config = transformers.Qwen2Config(**{**ARCHITECTURES["qwen2"]()[1].to_dict(), "use_sliding_window": True,
+                                         "sliding_window": 8, "max_window_layers": 1, "layer_types": None})
+    with pytest.raises(fhf.UnsupportedModelError, match=r"sliding-window.*layer 1 \(model\.layers\.1\.self_attn\)"):
+        fhf.prepare(transformers.Qwen2ForCausalLM(config), num_pages=8, page_size=4)
+
+
+def test_attention_logit_soft_capping_is_refused_naming_the_feature_and_layer():
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0, layer_types=["full_attention"] * 2,
+    )
+    with pytest.raises(fhf.UnsupportedModelError, match=r"soft-capping \(attn_logit_softcapping=50.0\).*layer 0"):
+        fhf.prepare(transformers.Gemma2ForCausalLM(config), num_pages=8, page_size=4)
+
+
+def test_encoder_decoder_models_are_refused():
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    with pytest.raises(fhf.UnsupportedModelError, match="encoder-decoder"):
+        fhf.prepare(transformers.T5ForConditionalGeneration(config), num_pages=8, page_size=4)
+
+
+def test_a_refused_model_is_left_unchanged():
+    cls, config = ARCHITECTURES["mistral"]()
+    config.sliding_window = 16
+    model = cls(config)
+    with pytest.raises(fhf.UnsupportedModelError):
+        fhf.prepare(model, num_pages=8, page_size=4)
+    assert model.config._attn_implementation != "fullcg"
+    assert not fhf.attention_layers(model)
+
+
+# --- fullcg.generate on HF models equals HF's own generate ---
+
+GENERATE_PROMPTS = [[3, 17, 29, 41, 53, 65, 77, 89, 101, 113, 125, 9, 4], [7, 19, 31, 43, 55], [11, 23, 35],
+                    [60, 61, 62, 63, 64, 65, 66]]
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_greedy_generate_equals_hf_generate_token_for_token(arch):
+    torch._dynamo.reset()
+    ref, model, _ = build_pair(arch)
+    # A budget of 8 tokens and 2 requests at a time: chunked prefill, mixed steps, requests joining.
+    got = fullcg.generate(model, GENERATE_PROMPTS, 8, max_num_tokens=8, max_num_seqs=2,
+                          config=fullcg.FullCGConfig(compiler="eager"), progress=False)
+    with torch.no_grad():
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+                    for p in GENERATE_PROMPTS]
+    assert got == expected
+    assert any(len(set(g)) > 2 for g in got)  # not a degenerate model repeating one token
+
+
+def test_generate_stops_at_the_hf_models_eos_token_like_hf_generate():
+    ref, model, _ = build_pair("llama")
+    plain = fullcg.generate(model, GENERATE_PROMPTS, 8, compile=False, stop_token_ids=(), progress=False)
+    eos = plain[1][3]  # make a token the model does produce the end of sequence
+    for m in (ref, model):
+        m.generation_config.eos_token_id = eos
+    got = fullcg.generate(model, GENERATE_PROMPTS, 8, compile=False, progress=False)
+    with torch.no_grad():
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+                    for p in GENERATE_PROMPTS]
+    assert len(got[1]) == 4 and got[1][-1] == eos
+    assert got == [e[: e.index(eos) + 1] if eos in e else e for e in expected]
+
+
+def test_seeded_sampling_on_an_hf_model_is_reproducible():
+    _, model, _ = build_pair("qwen2")
+    kw = dict(temperature=0.8, top_k=20, top_p=0.9, seed=7, compile=False, stop_token_ids=(), progress=False)
+    first = fullcg.generate(model, GENERATE_PROMPTS, 6, **kw)
+    assert fullcg.generate(model, GENERATE_PROMPTS, 6, **kw) == first
+    assert first != fullcg.generate(model, GENERATE_PROMPTS, 6, **{**kw, "seed": 8})
+
+
+def test_the_generate_benchmark_runs_in_smoke_mode_and_agrees_with_hf(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location("benchmark_generate", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch._dynamo.reset()
+    assert bench.main(["--smoke", "--engines", "hf,fullcg", "--warmup", "0", "--repeats", "1"]) == 0
+    assert "'fullcg/mixed64': 1.0" in capsys.readouterr().out
