@@ -1,6 +1,6 @@
 """Plot decode step latency from a ``benchmarks/decode.py --out`` JSON file.
 
-    python benchmarks/plot_decode.py benchmarks/results/decode_h200.json docs/benchmarks_decode.png
+    python benchmarks/plot_decode.py benchmarks/results/decode_h200_earlier.json docs/benchmarks_decode.png
 """
 
 from __future__ import annotations

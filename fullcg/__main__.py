@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import logging
 import sys
 import time
@@ -35,9 +34,6 @@ def demo(args: argparse.Namespace) -> int:
     given = {"graph_mode": args.graph_mode, "compiler": args.compiler, "attention_impl": args.attention_impl,
              "dump_dir": args.dump_dir}
     config = fullcg.FullCGConfig.from_env(**{k: v for k, v in given.items() if v is not None})  # flags over env
-    if device.type == "cuda" and config.attention_impl == "auto" and importlib.util.find_spec("flashinfer") is None:
-        # 'auto' would fall back to the reference, which full CUDA graphs cannot capture.
-        config = config.replace(attention_impl="triton")
     # On a GPU: bfloat16, and head dim 64 (the smallest FlashInfer has kernels for).
     model_cfg = LlamaConfig.tiny(chunked_prefix=args.chunked_prefix, **({"head_dim": 64} if device.type == "cuda" else {}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -98,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="run the tiny model compiled with fullcg and check it against eager")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--graph-mode", choices=GRAPH_MODES, help="default: FULLCG_GRAPH_MODE or full_and_piecewise")
+    p.add_argument("--graph-mode", choices=GRAPH_MODES, help="default: FULLCG_GRAPH_MODE or auto")
     p.add_argument("--compiler", choices=COMPILERS, help="default: FULLCG_COMPILER or inductor")
     p.add_argument("--attention-impl", help="reference, triton, flashinfer or auto (default: FULLCG_ATTENTION_IMPL or auto)")
     p.add_argument("--chunked-prefix", action="store_true", help="attend with the chunked-prefix pattern")
