@@ -40,10 +40,14 @@ def _unspecialised_key(arg: Any) -> Any:
 
 
 def raw_stream(device: torch.device) -> int:
-    """The current CUDA stream of ``device`` as the raw handle kernel launchers take (0 on the CPU)."""
+    """The current CUDA stream as the raw handle kernel launchers take (0 on the CPU).
+
+    Like Triton's own launch, this is the current device's stream: Triton compiles and
+    launches for the current device, so tensors must live there.
+    """
     if device.type != "cuda":
         return 0
-    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
 
 
 def static_key(args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int) -> tuple[Any, ...]:
@@ -74,7 +78,9 @@ class Launcher:
         num_runtime = len(is_constexpr) - len(self.constexpr_names)
         if any(is_constexpr[:num_runtime]):
             raise TypeError(f"{fn.fn.__name__}: constexpr parameters must come after the runtime ones")
-        unspecialised = set(getattr(fn, "do_not_specialize", None) or ())
+        # A JITFunction keeps do_not_specialize; the interpreter's stand-in keeps the decorator's kwargs.
+        unspecialised = set(getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize")
+                            or ())
         self._key_fns = tuple(
             _unspecialised_key if p.name in unspecialised or i in unspecialised else _key
             for i, p in enumerate(list(params)[:num_runtime])
@@ -85,16 +91,17 @@ class Launcher:
     def __call__(
         self, grid: tuple[int, int, int], args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int
     ) -> None:
+        """Launch with the key built from every argument (for launches not planned per step)."""
         if _INTERPRET or _hooked():
             self._launch_jit(grid, args, constexprs, num_warps, num_stages)
             return
-        key = (constexprs, num_warps, num_stages, *[f(a) for f, a in zip(self._key_fns, args)])
+        device = torch.cuda.current_device()
+        key = (device, constexprs, num_warps, num_stages, *[f(a) for f, a in zip(self._key_fns, args)])
         kernel = self._compiled.get(key)
         if kernel is None:
             self._compiled[key] = self._launch_jit(grid, args, constexprs, num_warps, num_stages)
             return
-        device = args[0].device.index
-        stream = torch._C._cuda_getCurrentRawStream(device if device is not None else torch.cuda.current_device())
+        stream = torch._C._cuda_getCurrentRawStream(device)
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *args, *constexprs)
 
@@ -114,10 +121,12 @@ class Launcher:
         if _INTERPRET or _hooked():
             self._launch_jit(grid, args, constexprs, num_warps, num_stages)
             return
-        entry = self._by_static_key.get(static_key)
+        # Triton compiles and loads kernels for the current device: a kernel is only valid there.
+        device = torch.cuda.current_device()
+        entry = self._by_static_key.get((static_key, device))
         if entry is None:
             positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-            entry = self._by_static_key[static_key] = (positions, {})
+            entry = self._by_static_key[(static_key, device)] = (positions, {})
         positions, kernels = entry
         alignment = tuple([args[i].data_ptr() & 15 for i in positions])
         kernel = kernels.get(alignment)
