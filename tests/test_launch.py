@@ -36,3 +36,47 @@ def test_launchers_know_the_constexpr_parameters_of_the_decode_kernels():
     )
     assert split._key_fns[-1] is _unspecialised_key, "num_splits is marked do_not_specialize"
     assert isinstance(decode_kernels._MERGE, Launcher)
+
+
+class _FakeCompiled:
+    function, packed_metadata = "fn-handle", "meta"
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []
+
+    def run(self, *args) -> None:
+        self.runs.append(args)
+
+
+def test_a_planned_launch_calls_the_compiled_kernel_directly_and_recompiles_for_another_alignment(monkeypatch):
+    import fullcg.ops.kernels.launch as launch
+
+    launcher = Launcher(decode_kernels._MERGE.fn)
+    jit_launches = []
+
+    def fake_jit(grid, args, constexprs, num_warps, num_stages):
+        jit_launches.append(args)
+        return _FakeCompiled()
+
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launcher, "_launch_jit", fake_jit)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    buf = torch.zeros(64)
+    args = (buf[:8], 3, 0.5)
+    key = static_key(args, (16,), 4, 3)
+    launcher.launch_keyed((2, 1, 1), args, (16,), 4, 3, key, stream=77)
+    assert len(jit_launches) == 1, "the first launch compiles through Triton"
+    launcher.launch_keyed((2, 1, 1), (buf[8:16], 3, 0.5), (16,), 4, 3, key, stream=77)
+    compiled = next(iter(next(iter(launcher._by_static_key.values()))[1].values()))
+    assert len(jit_launches) == 1 and len(compiled.runs) == 1
+    grid_and_handles, rest = compiled.runs[0][:9], compiled.runs[0][9:]
+    assert grid_and_handles == (2, 1, 1, 77, "fn-handle", "meta", None, None, None)
+    assert rest[0].data_ptr() == buf[8:16].data_ptr() and rest[1:] == (3, 0.5, 16), "runtime args, then constexprs"
+    launcher.launch_keyed((2, 1, 1), (buf[1:9], 3, 0.5), (16,), 4, 3, key, stream=77)
+    assert len(jit_launches) == 2, "a tensor that is not 16-byte aligned is another specialisation"
+    launcher((2, 1, 1), args, (16,), 4, 3)  # the unplanned path keys every argument
+    launcher((2, 1, 1), (buf[8:16], 3, 0.25), (16,), 4, 3)
+    assert len(jit_launches) == 3
+    unplanned = launcher._compiled[next(iter(launcher._compiled))]
+    assert unplanned.runs[0][3] == 1234, "the unplanned path launches on the current device's stream"
