@@ -63,9 +63,14 @@ def save_kv_to_cache(
     _SAVE(
         (n, 1, 1),
         (k, v, slot_mapping, k_cache, v_cache, k.stride(0), v.stride(0)),
-        (row_k, row_v, triton.next_power_of_2(row_k), triton.next_power_of_2(row_v)),
+        (row_k, row_v, _next_pow2(row_k), _next_pow2(row_v)),
         4, 3,
     )
+
+
+def _next_pow2(n: int) -> int:
+    # triton.next_power_of_2 is a JIT-able function: microseconds per call from Python.
+    return 1 << (n - 1).bit_length()
 
 
 def save_new_kv(call: "AttentionCall", ctx: "ForwardContext", cache: "KVCache") -> None:
