@@ -25,6 +25,7 @@ import torch.fx
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
+from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
@@ -240,7 +241,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
 def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(options) - set(FullCGConfig.__dataclass_fields__))
     if unknown:
-        raise ValueError(f"unknown fullcg option(s) {unknown}; valid options: {sorted(FullCGConfig.__dataclass_fields__)}")
+        raise InvalidConfigError(
+            f"unknown fullcg option(s) {unknown}; valid options: {sorted(FullCGConfig.__dataclass_fields__)}"
+        )
     return dict(options)
 
 
@@ -257,12 +260,19 @@ class Backend:
         self.runners: list[StepRunner] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:
+        try:
+            return self._compile(gm, example_inputs, **kwargs)
+        except FullCGError as e:
+            # Dynamo would wrap it in BackendCompilerFailed; the user's first line is ours instead.
+            raise through_dynamo(e) from None
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:
         options = kwargs.pop("options", None)
         mode = kwargs.pop("mode", None)
         if kwargs:
-            raise TypeError(f"the fullcg backend got unexpected arguments {sorted(kwargs)}")
+            raise ConfigTypeError(f"the fullcg backend got unexpected arguments {sorted(kwargs)}")
         if mode not in (None, "default"):
-            raise ValueError(
+            raise InvalidConfigError(
                 f"torch.compile(mode={mode!r}) does not apply to the fullcg backend; "
                 "choose CUDA-graph behaviour with options={'graph_mode': ...}"
             )
@@ -274,4 +284,8 @@ class Backend:
 
 def fullcg_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:
     """The backend behind ``backend="fullcg"``: configured from the environment and ``options``."""
-    return Backend()(gm, example_inputs, **kwargs)
+    try:
+        backend = Backend()  # reads FULLCG_* variables: a bad one is the user's error, not the backend's
+    except FullCGError as e:
+        raise through_dynamo(e) from None
+    return backend(gm, example_inputs, **kwargs)

@@ -11,8 +11,10 @@ import dataclasses
 import enum
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from fullcg.errors import ConfigTypeError, InvalidConfigError
 
 __all__ = [
     "ENV_SKIP_SOFTMAX_PREFILL",
@@ -29,6 +31,7 @@ __all__ = [
     "GraphMode",
     "COMPILERS",
     "default_capture_sizes",
+    "MAX_CAPTURE_SIZE",
 ]
 
 ENV_SKIP_SOFTMAX_PREFILL = "FULLCG_SKIP_SOFTMAX_PREFILL_THRESHOLD_SCALE_FACTOR"
@@ -92,10 +95,10 @@ def check_scale_factor(value: object, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number or None (dense attention), got {value!r}")
+        raise ConfigTypeError(f"{name} must be a number or None (dense attention), got {value!r}")
     value = float(value)
     if math.isnan(value) or math.isinf(value) or value < 0:
-        raise ValueError(
+        raise InvalidConfigError(
             f"{name} must be a finite number >= 0 (None or unset means dense attention), got {value!r}"
         )
     return value
@@ -103,7 +106,7 @@ def check_scale_factor(value: object, name: str) -> float | None:
 
 def _positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
     return value
 
 
@@ -114,7 +117,7 @@ def _factor_from_env(var: str, environ: Mapping[str, str]) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{var} must be a number (or unset for dense attention), got {raw!r}") from None
+        raise InvalidConfigError(f"{var} must be a number (or unset for dense attention), got {raw!r}") from None
     return check_scale_factor(value, var)
 
 
@@ -179,6 +182,14 @@ class SkipSoftmaxConfig:
         return cls(prefill_scale_factor, decode_scale_factor, **kwargs)
 
 
+#: The largest token count a CUDA graph may be captured for. A step this large is
+#: compute-bound, so replaying a graph saves nothing measurable, while every capture size
+#: costs a capture (seconds) and graph memory, and the persistent input buffers and the
+#: static page table of full graphs have one row per token of the largest size. Larger
+#: steps run uncaptured (compiled, not replayed).
+MAX_CAPTURE_SIZE = 16384
+
+
 def default_capture_sizes(max_size: int) -> tuple[int, ...]:
     """vLLM's default: 1, 2, 4, then steps of 8 up to 256, then steps of 16, up to ``max_size``."""
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, max_size + 1, 16)]
@@ -227,7 +238,7 @@ class FullCGConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
-            raise ValueError(
+            raise InvalidConfigError(
                 f"attention_impl must name an implementation ({', '.join(ATTENTION_IMPLS)} or a registered one), "
                 f"got {self.attention_impl!r}"
             )
@@ -235,29 +246,45 @@ class FullCGConfig:
             if isinstance(self.skip_softmax, Mapping):
                 object.__setattr__(self, "skip_softmax", SkipSoftmaxConfig(**self.skip_softmax))
             else:
-                raise TypeError(
+                raise ConfigTypeError(
                     "skip_softmax must be a fullcg.SkipSoftmaxConfig (or a dict of its fields), got "
                     f"{type(self.skip_softmax).__name__}"
                 )
         try:
             object.__setattr__(self, "graph_mode", GraphMode(self.graph_mode))
         except ValueError:
-            raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}") from None
+            raise InvalidConfigError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}") from None
         if self.compiler not in COMPILERS:
-            raise ValueError(f"compiler must be one of {', '.join(COMPILERS)}, got {self.compiler!r}")
+            raise InvalidConfigError(f"compiler must be one of {', '.join(COMPILERS)}, got {self.compiler!r}")
         _positive_int(self.max_capture_size, "max_capture_size")
+        if self.max_capture_size > MAX_CAPTURE_SIZE:
+            raise InvalidConfigError(
+                f"max_capture_size must be at most {MAX_CAPTURE_SIZE}, got {self.max_capture_size}: steps that large "
+                "are compute-bound, so a CUDA graph saves nothing while each size costs a capture and memory; larger "
+                "steps run uncaptured anyway"
+            )
         if self.capture_sizes is not None:
+            if isinstance(self.capture_sizes, (str, bytes)) or not isinstance(self.capture_sizes, Iterable):
+                raise ConfigTypeError(
+                    f"capture_sizes must be a sequence of positive integers such as (1, 2, 4, 8), or None for the "
+                    f"defaults; got {type(self.capture_sizes).__name__} {self.capture_sizes!r}"
+                )
             sizes = list(self.capture_sizes)
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes):
-                raise ValueError(f"capture sizes must be positive integers, got {sizes}")
+                raise InvalidConfigError(f"capture sizes must be positive integers, got {sizes}")
+            if max(sizes) > MAX_CAPTURE_SIZE:
+                raise InvalidConfigError(
+                    f"capture sizes must be at most {MAX_CAPTURE_SIZE}, got {max(sizes)}: steps that large are "
+                    "compute-bound, so a CUDA graph saves nothing while each size costs a capture and memory"
+                )
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
         if self.max_pages_per_request is not None:
             _positive_int(self.max_pages_per_request, "max_pages_per_request")
         for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
-            raise TypeError(f"dump_dir must be a path or None, got {self.dump_dir!r}")
+            raise ConfigTypeError(f"dump_dir must be a path or None, got {self.dump_dir!r}")
 
     @property
     def sizes_to_capture(self) -> tuple[int, ...]:
@@ -282,13 +309,13 @@ class FullCGConfig:
             if field not in overrides and env.get(var, "").strip():
                 overrides[field] = env[var].strip()
         if overrides.get("graph_mode", GRAPH_MODES[0]) not in GRAPH_MODES and "graph_mode" not in explicit:
-            raise ValueError(f"{ENV_GRAPH_MODE} must be one of {', '.join(GRAPH_MODES)}, got {overrides['graph_mode']!r}")
+            raise InvalidConfigError(f"{ENV_GRAPH_MODE} must be one of {', '.join(GRAPH_MODES)}, got {overrides['graph_mode']!r}")
         if overrides.get("compiler", COMPILERS[0]) not in COMPILERS and "compiler" not in explicit:
-            raise ValueError(f"{ENV_COMPILER} must be one of {', '.join(COMPILERS)}, got {overrides['compiler']!r}")
+            raise InvalidConfigError(f"{ENV_COMPILER} must be one of {', '.join(COMPILERS)}, got {overrides['compiler']!r}")
         if "debug_checks" not in overrides and env.get(ENV_DEBUG_CHECKS, "").strip():
             raw = env[ENV_DEBUG_CHECKS].strip().lower()
             if raw not in ("0", "1", "true", "false"):
-                raise ValueError(f"{ENV_DEBUG_CHECKS} must be 0 or 1, got {env[ENV_DEBUG_CHECKS]!r}")
+                raise InvalidConfigError(f"{ENV_DEBUG_CHECKS} must be 0 or 1, got {env[ENV_DEBUG_CHECKS]!r}")
             overrides["debug_checks"] = raw in ("1", "true")
         return cls(**overrides)
 

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from fullcg.config import FullCGConfig
+from fullcg.errors import InferenceTensorError
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata
 
@@ -118,11 +120,27 @@ _state = _ThreadState()
 # result until some layer gets a new cache. Cleared then (not just marked stale), so a
 # cache a model dropped is freed at once, not kept alive until the model's next step.
 _module_caches: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, KVCache]] = weakref.WeakKeyDictionary()
+# Facts of a model's caches that every step's entry checks, computed with its cache map.
+_module_facts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int | None, bool]] = weakref.WeakKeyDictionary()
+_warned_grad = False
 
 
 def forget_kv_caches() -> None:
     """Drop the remembered layer -> cache maps (a layer's cache changed)."""
     _module_caches.clear()
+    _module_facts.clear()
+
+
+def _facts(source: object, caches: Mapping[int, KVCache]) -> tuple[int | None, bool]:
+    """(fewest pages of any cache or None, whether some cache is an inference tensor)."""
+    if isinstance(source, torch.nn.Module):
+        hit = _module_facts.get(source)
+        if hit is not None:
+            return hit
+    facts = (min((c.num_pages for c in caches.values()), default=None), any(c.is_inference for c in caches.values()))
+    if isinstance(source, torch.nn.Module):
+        _module_facts[source] = facts
+    return facts
 
 
 def _collect_kv_caches(source: object) -> dict[int, KVCache]:
@@ -153,6 +171,26 @@ def _collect_kv_caches(source: object) -> dict[int, KVCache]:
     )
 
 
+def _check_entry(metadata: AttentionMetadata, facts: tuple[int | None, bool], source: str) -> None:
+    """Checks of a step against its caches, once at entry (never per attention call)."""
+    global _warned_grad
+    min_pages, inference = facts
+    if min_pages is not None:
+        metadata.verified(min_pages)  # page ids against the real caches (one comparison after build)
+    if inference and not torch.is_inference_mode_enabled():
+        raise InferenceTensorError(
+            f"the KV caches of {source} were allocated under torch.inference_mode and can only be written inside "
+            "it: run steps under `with torch.inference_mode():`, or allocate the caches outside inference mode"
+        )
+    if not _warned_grad and torch.is_grad_enabled():
+        _warned_grad = True
+        warnings.warn(
+            "fullcg: a step runs with autograd enabled; fullcg steps are inference steps: the KV cache never "
+            "records autograd history (wrap steps in torch.inference_mode() or torch.no_grad() to silence this)",
+            stacklevel=4,
+        )
+
+
 @contextlib.contextmanager
 def forward_context(
     metadata: AttentionMetadata,
@@ -180,6 +218,7 @@ def forward_context(
         breakable=bool(breakable),
         source=_describe(kv_caches),
     )
+    _check_entry(metadata, _facts(kv_caches, ctx.kv_caches), ctx.source)
     _enable_size_oblivious_once()
     with _pushed(ctx):
         yield ctx

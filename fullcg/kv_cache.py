@@ -7,6 +7,8 @@ import itertools
 
 import torch
 
+from fullcg.errors import KVCacheError
+
 __all__ = ["KVCache"]
 
 _uids = itertools.count(1)
@@ -25,18 +27,31 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     uid: int = dataclasses.field(init=False, repr=False)
+    #: Made under ``torch.inference_mode``: it can only be written inside it.
+    is_inference: bool = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.uid = next(_uids)
+        if not isinstance(self.k, torch.Tensor) or not isinstance(self.v, torch.Tensor):
+            raise KVCacheError(f"KV cache k and v must be tensors, got {type(self.k).__name__} and {type(self.v).__name__}")
         if self.k.dim() != 4 or self.v.dim() != 4:
-            raise ValueError(
+            raise KVCacheError(
                 "KV cache tensors must be [num_pages, page_size, num_kv_heads, head_dim], got "
                 f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)}"
             )
         if self.k.shape[:3] != self.v.shape[:3]:
-            raise ValueError(f"k and v caches disagree on pages/heads: {tuple(self.k.shape)} vs {tuple(self.v.shape)}")
+            raise KVCacheError(f"k and v caches disagree on pages/heads: {tuple(self.k.shape)} vs {tuple(self.v.shape)}")
         if self.k.dtype != self.v.dtype or self.k.device != self.v.device:
-            raise ValueError("k and v caches must share dtype and device")
+            raise KVCacheError("k and v caches must share dtype and device")
+        # Slots are addressed as a flat view [pages * page_size, heads, dim], and kernels
+        # compute addresses from the layout: only a contiguous tensor has it.
+        for name, t in (("k", self.k), ("v", self.v)):
+            if not t.is_contiguous():
+                raise KVCacheError(
+                    f"KV cache {name} must be contiguous [num_pages, page_size, num_kv_heads, head_dim], got strides "
+                    f"{t.stride()} for shape {tuple(t.shape)}: pass {name}.contiguous() or use KVCache.allocate"
+                )
+        self.is_inference = self.k.is_inference() or self.v.is_inference()
 
     def __deepcopy__(self, memo: dict) -> KVCache:
         # A copy is another cache: new tensors and a new uid (a copied model must not pass
@@ -59,7 +74,7 @@ class KVCache:
     ) -> KVCache:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise KVCacheError(f"{name} must be a positive integer, got {value!r}")
         v_dim = head_dim if v_head_dim is None else v_head_dim
         return cls(
             torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device),

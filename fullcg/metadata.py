@@ -13,7 +13,10 @@ import functools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from fullcg.errors import InvalidBatchError, MetadataChangedError, PageConflictError, PageOutOfRangeError
 
 __all__ = ["ForwardMode", "PrefixChunk", "AttentionMetadata"]
 
@@ -31,14 +34,13 @@ class ForwardMode(enum.Enum):
 
 
 def _as_int_tuple(values: Sequence[int] | torch.Tensor, name: str) -> tuple[int, ...]:
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    out = []
-    for x in values:
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"{name} must hold integers, got {x!r}")
-        out.append(x)
-    return tuple(out)
+    out = tuple(values.tolist() if isinstance(values, torch.Tensor) else values)
+    if not all(type(x) is int for x in out):  # exact type: one C-level test per entry, and no bools
+        bad = next(x for x in out if type(x) is not int)
+        if not isinstance(bad, int) or isinstance(bad, bool):
+            raise TypeError(f"{name} must hold integers, got {bad!r}")
+        out = tuple(int(x) for x in out)  # int subclasses (IntEnum members) as plain ints
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,6 +57,122 @@ class PrefixChunk:
     lens: tuple[int, ...]
     offsets: tuple[int, ...]  # len R + 1
     kv_start_loc: torch.Tensor
+
+
+def _modes(
+    forward_modes: Sequence[ForwardMode | str] | None, q_lens: tuple[int, ...], p_lens: tuple[int, ...]
+) -> tuple[ForwardMode, ...]:
+    """Each request's mode: given (and checked against its lengths) or derived from them."""
+    if forward_modes is None:
+        return tuple(
+            ForwardMode.PREFILL if p == 0 else ForwardMode.DECODE if q == 1 else ForwardMode.EXTEND
+            for q, p in zip(q_lens, p_lens)
+        )
+    if len(forward_modes) != len(q_lens):
+        raise InvalidBatchError(f"forward_modes needs one entry per request ({len(q_lens)}), got {len(forward_modes)}")
+    modes = tuple(ForwardMode(m) if isinstance(m, str) else m for m in forward_modes)
+    for r, (mode, q, p) in enumerate(zip(modes, q_lens, p_lens)):
+        if not isinstance(mode, ForwardMode):
+            raise TypeError(f"forward_modes[{r}] must be a fullcg.ForwardMode, got {mode!r}")
+        if mode is ForwardMode.PREFILL and p != 0:
+            raise InvalidBatchError(f"request {r} is in prefill mode but has a cached prefix of {p} tokens: use extend")
+        if mode is ForwardMode.EXTEND and p == 0:
+            raise InvalidBatchError(f"request {r} is in extend mode but has no cached prefix: use prefill")
+        if mode is ForwardMode.DECODE and (q != 1 or p == 0):
+            raise InvalidBatchError(
+                f"request {r} is in decode mode, which needs exactly one new token on a cached prefix; "
+                f"got {q} new tokens on a prefix of {p}"
+            )
+    return modes
+
+
+def _used_pages(pt: np.ndarray, seq: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(table, the page ids requests read or write in row-major order, which entries those are)."""
+    pt = pt.astype(np.int64, copy=False)
+    used_mask = np.arange(pt.shape[1])[None, :] < (-(-seq // page_size))[:, None]
+    return pt, pt[used_mask], used_mask
+
+
+def _check_page_range(pt: np.ndarray, used: np.ndarray, used_mask: np.ndarray, num_pages: int | None) -> int:
+    """Raise if a used page id is negative or (given the cache's page count) too large; the largest id."""
+    lo, hi = int(used.min()), int(used.max())
+    too_high = num_pages is not None and hi >= num_pages
+    if lo >= 0 and not too_high:
+        return hi
+    bad = used < 0 if lo < 0 else used >= num_pages
+    i = int(np.flatnonzero(bad)[0])
+    rows, cols = np.nonzero(used_mask)
+    r, c, page = int(rows[i]), int(cols[i]), int(used[i])
+    allowed = f"the KV cache's pages 0..{num_pages - 1}" if num_pages is not None else "page ids >= 0"
+    raise PageOutOfRangeError(
+        f"request {r} reads or writes page {page} (page_table[{r}, {c}]), outside {allowed}: give every request "
+        f"pages the KV cache has (the first ceil((prefix + new) / page_size) columns of its row are used; "
+        "a negative id is not padding there)"
+    )
+
+
+def _check_no_shared_writes(
+    used: np.ndarray, used_mask: np.ndarray, written: np.ndarray, req_idx: np.ndarray, max_page: int
+) -> None:
+    """Raise if a page some request writes appears more than once among the pages the batch uses.
+
+    Pages that are only read may be shared (a common prefix); a written page shared with
+    another row (or used twice by its own row) would have its KV overwritten.
+    """
+    if max_page < 8 * used.size:  # dense enough: counting is cheaper than sorting
+        shared = np.bincount(used, minlength=max_page + 1)[written] > 1
+    else:
+        s = np.sort(used)
+        dup = s[1:][s[1:] == s[:-1]]
+        if not dup.size:
+            return
+        shared = np.isin(written, dup)
+    if not shared.any():
+        return
+    i = int(np.flatnonzero(shared)[0])
+    page, writer = int(written[i]), int(req_idx[i])
+    users = sorted(set(np.nonzero(used_mask)[0][used == page].tolist()))
+    who = f"requests {users}" if len(users) > 1 else f"request {writer} twice"
+    raise PageConflictError(
+        f"page {page} is written by request {writer} but used by {who} of the batch: a written page must belong to "
+        "one request only (give each request its own pages; only pages that are read, never written, may be shared)"
+    )
+
+
+def _check_positions(positions: Sequence[int] | torch.Tensor, expected: np.ndarray, req_idx: np.ndarray) -> None:
+    given = positions.cpu().numpy() if isinstance(positions, torch.Tensor) else np.asarray(positions)
+    n = expected.shape[0]
+    if given.ndim != 1 or given.shape[0] < n:
+        raise InvalidBatchError(f"positions must hold one position per new token ({n}), got shape {given.shape}")
+    wrong = given[:n] != expected
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
+        r = int(req_idx[i])
+        raise InvalidBatchError(
+            f"token {i} (request {r}) is at position {int(given[i])} but the metadata puts it at {int(expected[i])}: "
+            f"a new token's position is its request's prefix length plus its index among the request's new tokens "
+            "(else its k/v is rotated for one position and cached at another)"
+        )
+
+
+def _prefix_chunks(p: np.ndarray, prefix_chunk_tokens: int, dev: torch.device) -> tuple[PrefixChunk, ...]:
+    """Split the gather capacity evenly over requests that have a prefix (one host array for all chunks)."""
+    with_prefix = int((p > 0).sum())
+    if not with_prefix:
+        return ()
+    per_req = max(1, prefix_chunk_tokens // with_prefix)
+    num_chunks = -(-int(p.max()) // per_req)
+    firsts = np.arange(num_chunks)[:, None] * per_req
+    lens = np.clip(p[None, :] - firsts, 0, per_req)
+    offsets = np.zeros((num_chunks, p.shape[0] + 1), dtype=np.int64)
+    np.cumsum(lens, axis=1, out=offsets[:, 1:])
+    # One copy to the device for every chunk; unbind makes the per-chunk views in one call.
+    kv_start = torch.from_numpy(offsets.astype(np.int32)).to(dev).unbind(0)
+    lens_t, offsets_t = lens.tolist(), offsets.tolist()
+    return tuple(
+        PrefixChunk((c * per_req,) * p.shape[0], tuple(lens_t[c]), tuple(offsets_t[c]), kv_start[c])
+        for c in range(num_chunks)
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,105 +225,178 @@ class AttentionMetadata:
         *,
         prefix_chunk_tokens: int = 4096,
         device: torch.device | str | None = None,
+        num_pages: int | None = None,
+        positions: Sequence[int] | torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Validate a batch description and derive the rest.
 
         ``forward_modes`` defaults to: prefill when there is no prefix, decode for a single
         new token on a prefix, extend otherwise. ``device`` defaults to the page table's.
+
+        What is checked (see docs/ops.md, "What build validates"): lengths and modes agree;
+        the page table is wide enough; every page a request reads or writes (its first
+        ``ceil((prefix + new) / page_size)`` columns) is ``>= 0`` and, with ``num_pages``
+        (the KV cache's page count), ``< num_pages``; a page that a request writes is used
+        by no other row and only once by its own; with ``positions`` (the model's position
+        input), each new token's position is its request's prefix length plus its index.
+        Without ``num_pages`` the upper bound is checked against the caches when the
+        forward context is entered.
         """
         q_lens = _as_int_tuple(query_lens, "query_lens")
         p_lens = _as_int_tuple(prefix_lens, "prefix_lens")
         num_reqs = len(q_lens)
         if num_reqs == 0:
-            raise ValueError("a batch needs at least one request, got query_lens=()")
+            raise InvalidBatchError("a batch needs at least one request, got query_lens=()")
         if len(p_lens) != num_reqs:
-            raise ValueError(
+            raise InvalidBatchError(
                 f"query_lens and prefix_lens must have one entry per request, got {num_reqs} and {len(p_lens)}"
             )
-        if any(n <= 0 for n in q_lens):
-            raise ValueError(f"every request needs at least one new token, got query_lens={list(q_lens)}")
-        if any(n < 0 for n in p_lens):
-            raise ValueError(f"prefix_lens must be >= 0, got {list(p_lens)}")
+        q = np.asarray(q_lens, dtype=np.int64)
+        p = np.asarray(p_lens, dtype=np.int64)
+        if (q <= 0).any():
+            raise InvalidBatchError(f"every request needs at least one new token, got query_lens={list(q_lens)}")
+        if (p < 0).any():
+            raise InvalidBatchError(f"prefix_lens must be >= 0, got {list(p_lens)}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+            raise InvalidBatchError(f"page_size must be a positive integer, got {page_size!r}")
         if isinstance(prefix_chunk_tokens, bool) or not isinstance(prefix_chunk_tokens, int) or prefix_chunk_tokens <= 0:
-            raise ValueError(f"prefix_chunk_tokens must be a positive integer, got {prefix_chunk_tokens!r}")
-
-        if forward_modes is None:
-            modes = tuple(
-                ForwardMode.PREFILL if p == 0 else ForwardMode.DECODE if q == 1 else ForwardMode.EXTEND
-                for q, p in zip(q_lens, p_lens)
-            )
-        else:
-            if len(forward_modes) != num_reqs:
-                raise ValueError(f"forward_modes needs one entry per request ({num_reqs}), got {len(forward_modes)}")
-            modes = tuple(ForwardMode(m) if isinstance(m, str) else m for m in forward_modes)
-        for r, (mode, q, p) in enumerate(zip(modes, q_lens, p_lens)):
-            if not isinstance(mode, ForwardMode):
-                raise TypeError(f"forward_modes[{r}] must be a fullcg.ForwardMode, got {mode!r}")
-            if mode is ForwardMode.PREFILL and p != 0:
-                raise ValueError(f"request {r} is in prefill mode but has a cached prefix of {p} tokens: use extend")
-            if mode is ForwardMode.EXTEND and p == 0:
-                raise ValueError(f"request {r} is in extend mode but has no cached prefix: use prefill")
-            if mode is ForwardMode.DECODE and (q != 1 or p == 0):
-                raise ValueError(
-                    f"request {r} is in decode mode, which needs exactly one new token on a cached prefix; "
-                    f"got {q} new tokens on a prefix of {p}"
-                )
+            raise InvalidBatchError(f"prefix_chunk_tokens must be a positive integer, got {prefix_chunk_tokens!r}")
+        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0):
+            raise InvalidBatchError(f"num_pages must be the KV cache's page count (a positive integer), got {num_pages!r}")
+        modes = _modes(forward_modes, q_lens, p_lens)
 
         if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
-            raise ValueError("page_table must be a 2-D integer tensor [num_requests, max_pages]")
+            raise InvalidBatchError("page_table must be a 2-D integer tensor [num_requests, max_pages]")
         if page_table.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
         if page_table.shape[0] != num_reqs:
-            raise ValueError(f"page_table has {page_table.shape[0]} rows for {num_reqs} requests")
-        seq = [q + p for q, p in zip(q_lens, p_lens)]
+            raise InvalidBatchError(f"page_table has {page_table.shape[0]} rows for {num_reqs} requests")
+        dev = torch.device(device) if device is not None else page_table.device
+        if dev.type == "meta" or page_table.device.type == "meta":
+            raise InvalidBatchError(
+                "metadata cannot live on the meta device: kernels read its page table and slots; "
+                "build it on the KV cache's device (device='cpu' or 'cuda')"
+            )
+        seq = q + p
         capacity = page_table.shape[1] * page_size
-        if max(seq) > capacity:
-            raise ValueError(
-                f"a request needs {max(seq)} KV slots but page_table has room for {capacity} "
+        longest = int(seq.max())
+        if longest > capacity:
+            r = int(seq.argmax())
+            raise InvalidBatchError(
+                f"request {r} needs {longest} KV slots but page_table has room for {capacity} "
                 f"({page_table.shape[1]} pages of {page_size}); add pages"
             )
-        dev = torch.device(device) if device is not None else page_table.device
-        page_table = page_table.to(device=dev, dtype=torch.int32)
+        pt, used, used_mask = _used_pages(page_table.cpu().numpy(), seq, page_size)
+        max_page = _check_page_range(pt, used, used_mask, num_pages)
 
         # Slot of each new token: its absolute position looked up through the page table.
-        req_idx = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(q_lens))
-        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-        pos = torch.arange(sum(q_lens)) - starts[req_idx] + torch.tensor(p_lens)[req_idx]
-        pt_cpu = page_table.cpu().long()
-        slot_mapping = pt_cpu[req_idx, pos // page_size] * page_size + pos % page_size
+        num_tokens = int(q.sum())
+        req_idx = np.repeat(np.arange(num_reqs), q)
+        starts = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q, out=starts[1:])
+        pos = np.arange(num_tokens) - starts[req_idx] + p[req_idx]
+        written = pt[req_idx, pos // page_size]
+        slots = written * page_size + pos % page_size
+        _check_no_shared_writes(used, used_mask, written, req_idx, max_page)
+        if positions is not None:
+            _check_positions(positions, pos, req_idx)
 
-        # Prefix chunks: split the gather capacity evenly over requests that have a prefix.
-        with_prefix = sum(1 for p in p_lens if p > 0)
-        chunks: list[PrefixChunk] = []
-        if with_prefix:
-            per_req = max(1, prefix_chunk_tokens // with_prefix)
-            for c in range(math.ceil(max(p_lens) / per_req)):
-                lens = tuple(max(0, min(per_req, p - c * per_req)) for p in p_lens)
-                offsets = (0, *torch.tensor(lens).cumsum(0).tolist())
-                chunks.append(
-                    PrefixChunk(
-                        tuple(c * per_req for _ in p_lens), lens, tuple(offsets),
-                        torch.tensor(offsets, dtype=torch.int32, device=dev),
-                    )
-                )
-
-        return cls(
+        chunks = _prefix_chunks(p, prefix_chunk_tokens, dev)
+        on = (lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype))
+        md = object.__new__(cls)  # skips __post_init__: everything it checks was checked above
+        md.__dict__.update(
             query_lens=q_lens,
             prefix_lens=p_lens,
             forward_modes=modes,
             page_size=page_size,
-            page_table=page_table,
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=starts.to(device=dev, dtype=torch.int32),
-            seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev),
-            prefix_lens_tensor=torch.tensor(p_lens, dtype=torch.int32, device=dev),
-            is_decode=torch.tensor([m.is_decode for m in modes], dtype=torch.bool, device=dev),
-            num_tokens_tensor=torch.tensor([sum(q_lens)], dtype=torch.int32, device=dev),
+            page_table=page_table.to(device=dev, dtype=torch.int32),
+            slot_mapping=on(slots, torch.int64),
+            query_start_loc=on(starts, torch.int32),
+            seq_lens=on(seq, torch.int32),
+            prefix_lens_tensor=on(p, torch.int32),
+            is_decode=torch.tensor([m is ForwardMode.DECODE for m in modes], dtype=torch.bool, device=dev),
+            num_tokens_tensor=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
             prefix_chunk_tokens=prefix_chunk_tokens,
-            prefix_chunks=tuple(chunks),
+            prefix_chunks=chunks,
+            _max_page=max_page,
         )
+        return md
+
+    def __post_init__(self) -> None:
+        # Runs for direct construction and dataclasses.replace (build bypasses it): fields
+        # must still agree, and page ids are re-checked against the caches on first use.
+        r = len(self.query_lens)
+        n = sum(self.query_lens)
+
+        def changed(what: str) -> MetadataChangedError:
+            return MetadataChangedError(
+                f"AttentionMetadata fields disagree: {what}; metadata is immutable after build, so build a new "
+                "one with AttentionMetadata.build(...) instead of editing it (dataclasses.replace)"
+            )
+
+        if len(self.prefix_lens) != r or len(self.forward_modes) != r:
+            raise changed(f"{r} query_lens, {len(self.prefix_lens)} prefix_lens, {len(self.forward_modes)} forward_modes")
+        for name in ("page_table", "slot_mapping", "query_start_loc", "seq_lens", "prefix_lens_tensor", "is_decode",
+                     "num_tokens_tensor"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise changed(f"{name} must be a tensor, got {type(getattr(self, name)).__name__}")
+        if self.page_table.dim() != 2 or self.page_table.shape[0] != r:
+            raise changed(f"page_table has shape {tuple(self.page_table.shape)} for {r} requests")
+        if self.slot_mapping.dim() != 1 or self.slot_mapping.shape[0] < n:
+            raise changed(f"slot_mapping has {tuple(self.slot_mapping.shape)} slots for {n} new tokens")
+        if self.query_start_loc.shape != (r + 1,):
+            raise changed(f"query_start_loc has shape {tuple(self.query_start_loc.shape)} for {r} requests")
+        for name in ("seq_lens", "prefix_lens_tensor", "is_decode"):
+            if getattr(self, name).shape != (r,):
+                raise changed(f"{name} has shape {tuple(getattr(self, name).shape)} for {r} requests")
+        if r and max(a + b for a, b in zip(self.query_lens, self.prefix_lens)) > self.page_table.shape[1] * self.page_size:
+            raise changed(f"page_table has {self.page_table.shape[1]} pages of {self.page_size}, too few for the requests")
+        try:
+            _modes(self.forward_modes, self.query_lens, self.prefix_lens)
+        except (ValueError, TypeError) as e:
+            raise changed(str(e)) from None
+
+    def verified(self, num_pages: int) -> AttentionMetadata:
+        """Check this batch against KV caches of ``num_pages`` pages (the forward context
+        does, on entry); returns ``self``. Cheap for metadata from :meth:`build` (one
+        comparison); metadata made otherwise (``dataclasses.replace``) is re-derived once
+        from its host fields and compared, field by field."""
+        max_page = self.__dict__.get("_max_page")
+        if max_page is None:
+            max_page = self._reverify(num_pages)
+        if max_page >= num_pages:
+            seq = np.add(self.query_lens, self.prefix_lens)
+            _check_page_range(*_used_pages(self.page_table.cpu().numpy(), seq, self.page_size), num_pages)
+        return self
+
+    def _reverify(self, num_pages: int) -> int:
+        fresh = AttentionMetadata.build(
+            self.query_lens, self.prefix_lens, self.page_table, self.page_size, self.forward_modes,
+            prefix_chunk_tokens=self.prefix_chunk_tokens, device="cpu", num_pages=num_pages,
+        )
+        n = self.num_tokens
+        slots = self.slot_mapping.cpu()
+        real = slots[:n]
+        if not bool(((real == fresh.slot_mapping) | (real < 0)).all()) or bool((slots[n:] >= 0).any()):
+            raise MetadataChangedError(
+                "AttentionMetadata fields disagree: slot_mapping does not follow page_table, query_lens and "
+                "prefix_lens (slots < 0 are padding); metadata is immutable after build, so build a new one with "
+                "AttentionMetadata.build(...) instead of editing it"
+            )
+        for name in ("query_start_loc", "seq_lens", "prefix_lens_tensor", "is_decode", "num_tokens_tensor"):
+            if not torch.equal(getattr(self, name).cpu(), getattr(fresh, name)):
+                raise MetadataChangedError(
+                    f"AttentionMetadata fields disagree: {name} does not follow query_lens and prefix_lens; metadata "
+                    "is immutable after build, so build a new one with AttentionMetadata.build(...) instead of editing it"
+                )
+        if [(c.starts, c.lens, c.offsets) for c in self.prefix_chunks] != \
+                [(c.starts, c.lens, c.offsets) for c in fresh.prefix_chunks]:
+            raise MetadataChangedError(
+                "AttentionMetadata fields disagree: prefix_chunks do not follow prefix_lens and prefix_chunk_tokens; "
+                "build a new one with AttentionMetadata.build(...)"
+            )
+        object.__setattr__(self, "_max_page", fresh._max_page)
+        return fresh._max_page
 
     @property
     def num_requests(self) -> int:

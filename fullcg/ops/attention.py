@@ -27,7 +27,7 @@ import torch
 
 from fullcg.context import ForwardContext, current_context, get_forward_context
 from fullcg.ops import torch_ops
-from fullcg.ops.call import AttentionCall, check_against_context, check_tensors
+from fullcg.ops.call import AttentionCall, check_against_context, check_no_overlap, check_tensors
 from fullcg.ops.impl import AttentionImpl, resolve_implementation
 
 __all__ = [
@@ -107,6 +107,7 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
         # Compiled steps were checked once by the fake at trace time, with these shapes.
         if ctx is None or not ctx.compiled or ctx.config.debug_checks:
             check_tensors(call)
+            check_no_overlap(call)
             if ctx is None:
                 ctx = get_forward_context()  # raises, saying how to enter one
         cache = check_against_context(call, ctx)

@@ -12,10 +12,11 @@ import torch
 
 from fullcg.config import check_scale_factor
 from fullcg.context import ForwardContext
+from fullcg.errors import DtypeMismatchError, OverlappingOutputError
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata, ForwardMode
 
-__all__ = ["AttentionCall", "check_tensors", "check_against_context", "kv_rows_needed"]
+__all__ = ["AttentionCall", "check_tensors", "check_no_overlap", "check_against_context", "kv_rows_needed"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -128,6 +129,35 @@ def check_tensors(call: AttentionCall) -> None:
         )
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return start, start + span * t.element_size()
+
+
+def check_no_overlap(call: AttentionCall) -> None:
+    """``out`` may be exactly ``q`` (or ``k``/``v``), but must not overlap them otherwise.
+
+    Implementations write ``out`` request by request while still reading the inputs, so a
+    shifted overlap reads rows already overwritten. Needs real tensors (not in the fake);
+    runs with :func:`check_tensors` on eagerly run calls, where ``out`` may come from the caller.
+    """
+    out = call.out
+    o_start, o_end = _byte_range(out)
+    for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
+        start, end = _byte_range(t)
+        if start < o_end and o_start < end and not (
+            start == o_start and t.shape == out.shape and t.stride() == out.stride()
+        ):
+            raise OverlappingOutputError(
+                f"fullcg.{call.op} (layer {call.layer_id}): out overlaps {name} without being exactly {name} "
+                f"(bytes {o_start:#x}..{o_end:#x} vs {start:#x}..{end:#x}): pass a separate out tensor, or {name} "
+                "itself to write in place"
+            )
+
+
 def kv_rows_needed(call: AttentionCall, metadata: AttentionMetadata) -> int:
     """Rows of ``k``/``v`` that the batch reads."""
     if call.prefix_chunk is not None:
@@ -192,6 +222,13 @@ def _check_cache(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None
         )
     if cache.k.device != call.q.device:
         raise ValueError(f"{where}: KV cache is on {cache.k.device} but q is on {call.q.device}")
+    # Refused rather than cast: a silent cast would round fp32 k/v into an fp16 cache (or
+    # widen them) on every step, and kernels read the cache in q's dtype.
+    if cache.k.dtype != call.q.dtype:
+        raise DtypeMismatchError(
+            f"{where}: q is {call.q.dtype} but the KV cache is {cache.k.dtype}: allocate the cache in the model's "
+            f"dtype (allocate_kv_cache(..., dtype={call.q.dtype})) or run the model in {cache.k.dtype}"
+        )
     if cache.page_size != md.page_size:
         raise ValueError(f"{where}: metadata page_size {md.page_size} differs from the cache's {cache.page_size}")
     ctx.memo[("cache_ok", call.layer_id)] = cache

@@ -16,7 +16,14 @@ _NEG_INF = float("-inf")
 
 
 def save_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' k/v into their cache slots (``page * page_size + offset``)."""
+    """Write new tokens' k/v into their cache slots (``page * page_size + offset``).
+
+    Never records autograd history on the cache (an eager step run with autograd on would
+    otherwise chain every step's graph onto it and keep them all alive).
+    """
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return save_kv(cache, k, v, slot_mapping)
     flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
     flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
     flat_k.index_copy_(0, slot_mapping, k.to(cache.k.dtype))

@@ -13,6 +13,7 @@ import importlib.util
 
 import torch
 
+from fullcg.errors import ImplementationUnavailableError
 from fullcg.ops.impl.base import AttentionImpl
 
 __all__ = ["AttentionImpl", "register_implementation", "resolve_implementation", "available_implementations"]
@@ -64,7 +65,13 @@ def resolve_implementation(name: str, device: torch.device) -> AttentionImpl:
         name = _auto_name(torch.device(device).type)
     impl = _registry.get(name)
     if impl is None and name in _lazy:
-        importlib.import_module(_lazy[name])  # registers itself
+        try:
+            importlib.import_module(_lazy[name])  # registers itself
+        except ImportError as e:
+            raise ImplementationUnavailableError(
+                f"attention implementation {name!r} cannot be imported: {e.name or e} is not installed "
+                f"(pip install fullcg[{name}]; it needs a CUDA GPU); use attention_impl='reference' or 'auto'"
+            ) from e
         impl = _registry.get(name)
     if impl is None:
         raise ValueError(
