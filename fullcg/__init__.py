@@ -9,6 +9,8 @@ The public surface:
 - :class:`FullCGConfig`, :class:`SkipSoftmaxConfig`: configuration;
 - :func:`merge_attn_states`: exact merge of two partial attention results by LSE;
 - :func:`skip_softmax_stats`, :func:`reset_skip_softmax_stats`: skip-softmax counters;
+- :class:`PageOwnership`: a cross-step guard on which request owns each KV-cache page;
+- :mod:`fullcg.errors`: the exception types fullcg raises on bad input;
 - :func:`capture`: capture CUDA graphs for every capture size up front;
 - :func:`graph_mode_counts`: how compiled steps ran (full/piecewise, captured/eager);
 - :func:`generate`: offline generation with continuous batching (any fullcg model, or a
@@ -23,6 +25,8 @@ from fullcg.context import forward_context, get_forward_context
 from fullcg.metadata import AttentionMetadata, ForwardMode
 from fullcg.kv_cache import KVCache
 from fullcg.layer import Attention
+from fullcg.ownership import PageOwnership
+from fullcg import errors
 from fullcg.ops import merge_attn_states
 from fullcg.runner import capture, graph_mode_counts, reset_graph_mode_counts
 from fullcg.telemetry import SkipSoftmaxStats, reset_skip_softmax_stats, skip_softmax_stats
@@ -39,6 +43,8 @@ __all__ = [
     "ForwardMode",
     "FullCGConfig",
     "KVCache",
+    "PageOwnership",
+    "errors",
     "SkipSoftmaxConfig",
     "SkipSoftmaxStats",
     "capture",

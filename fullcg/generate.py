@@ -92,6 +92,9 @@ class BatchScheduler:
         stop_token_ids: a request ends after generating one of these (it is kept in the output).
         prefix_chunk_tokens, device: passed on to :meth:`fullcg.AttentionMetadata.build`
             and used for step tensors.
+        check_page_ownership: track which request owns each page
+            (:class:`fullcg.PageOwnership`) and check every step against it before it
+            runs (a debugging aid; costs a host pass over the page table per step).
 
     A request joins only when pages for its whole sequence (prompt plus
     ``max_new_tokens``) are free, so nothing is ever preempted; its pages return to the
@@ -111,6 +114,7 @@ class BatchScheduler:
         stop_token_ids: Iterable[int] = (),
         prefix_chunk_tokens: int = 4096,
         device: torch.device | str = "cpu",
+        check_page_ownership: bool = False,
     ) -> None:
         if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("every request needs a non-empty prompt")
@@ -141,6 +145,8 @@ class BatchScheduler:
         self.waiting: collections.deque[Request] = collections.deque(self.requests)
         self.running: list[Request] = []
         self._free_pages: collections.deque[int] = collections.deque(range(num_pages))
+        self.ownership = fullcg.PageOwnership(num_pages) if check_page_ownership else None
+        self._ids = {id(req): i for i, req in enumerate(self.requests)}
 
     @property
     def num_free_pages(self) -> int:
@@ -163,6 +169,8 @@ class BatchScheduler:
             return None
         self.waiting.popleft()
         req.pages = [self._free_pages.popleft() for _ in range(need)]
+        if self.ownership is not None:
+            self.ownership.claim(self._ids[id(req)], req.pages)
         self.running.append(req)
         return req
 
@@ -221,8 +229,10 @@ class BatchScheduler:
             table[i, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int32)
         md = fullcg.AttentionMetadata.build(
             q_lens, p_lens, table, self.page_size, modes, prefix_chunk_tokens=self.prefix_chunk_tokens,
-            device=self.device,
+            device=self.device, num_pages=self.num_pages,
         )
+        if self.ownership is not None:
+            self.ownership.check(md, [self._ids[id(req)] for req, _ in plan])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         # The token count changes every step: tell Dynamo up front, so one graph serves all.
@@ -248,6 +258,8 @@ class BatchScheduler:
                 finished.append(req)
         for req in finished:
             self.running.remove(req)
+            if self.ownership is not None:
+                self.ownership.release(self._ids[id(req)], req.pages)
             self._free_pages.extend(req.pages)  # reused by the next requests to join
             req.pages = []
         return finished
