@@ -308,11 +308,9 @@ class StaticMetadata:
 def dummy_metadata(size: int, decode_only: bool, page_size: int, device: torch.device) -> AttentionMetadata:
     """A batch of ``size`` tokens that writes nothing to the cache (slots -1) and reads page 0."""
     if decode_only:
-        md = AttentionMetadata.build(
+        return AttentionMetadata.stand_in(
             [1] * size, [1] * size, torch.zeros(size, 1, dtype=torch.int32), page_size,
             [ForwardMode.DECODE] * size, device=device,
         )
-    else:
-        pages = -(-size // page_size)
-        md = AttentionMetadata.build([size], [0], torch.zeros(1, pages, dtype=torch.int32), page_size, device=device)
-    return dataclasses.replace(md, slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device))
+    pages = -(-size // page_size)
+    return AttentionMetadata.stand_in([size], [0], torch.zeros(1, pages, dtype=torch.int32), page_size, device=device)

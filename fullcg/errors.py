@@ -80,8 +80,8 @@ class InferenceTensorError(FullCGError, RuntimeError):
     """A KV cache made under ``torch.inference_mode`` written outside it."""
 
 
-class ImplementationUnavailableError(FullCGError, RuntimeError):
-    """An attention implementation that cannot run here (a package or device is missing)."""
+class ImplementationUnavailableError(FullCGError, ImportError):
+    """An attention implementation that cannot be imported here (its package is missing)."""
 
 
 _dynamo_types: dict[type, type] = {}

@@ -148,6 +148,23 @@ class BatchScheduler:
         self.ownership = fullcg.PageOwnership(num_pages) if check_page_ownership else None
         self._ids = {id(req): i for i, req in enumerate(self.requests)}
 
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
+        """Queue one more request (an arrival while others run); it joins like the first ones."""
+        if len(prompt) == 0:
+            raise ValueError("every request needs a non-empty prompt")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        req = Request(list(prompt), max_new_tokens)
+        if self._pages_for(req) > self.num_pages:
+            raise RuntimeError(
+                f"the request needs {self._pages_for(req)} KV-cache pages ({req.kv_capacity} tokens) but the cache has "
+                f"{self.num_pages}; allocate more pages or shorten the prompt / max_new_tokens"
+            )
+        self._ids[id(req)] = len(self.requests)
+        self.requests.append(req)
+        self.waiting.append(req)
+        return req
+
     @property
     def num_free_pages(self) -> int:
         return len(self._free_pages)

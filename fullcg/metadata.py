@@ -227,6 +227,7 @@ class AttentionMetadata:
         device: torch.device | str | None = None,
         num_pages: int | None = None,
         positions: Sequence[int] | torch.Tensor | None = None,
+        _writes: bool = True,
     ) -> AttentionMetadata:
         """Validate a batch description and derive the rest.
 
@@ -296,8 +297,11 @@ class AttentionMetadata:
         np.cumsum(q, out=starts[1:])
         pos = np.arange(num_tokens) - starts[req_idx] + p[req_idx]
         written = pt[req_idx, pos // page_size]
-        slots = written * page_size + pos % page_size
-        _check_no_shared_writes(used, used_mask, written, req_idx, max_page)
+        if _writes:
+            slots = written * page_size + pos % page_size
+            _check_no_shared_writes(used, used_mask, written, req_idx, max_page)
+        else:
+            slots = np.full(num_tokens, -1, dtype=np.int64)
         if positions is not None:
             _check_positions(positions, pos, req_idx)
 
@@ -321,6 +325,24 @@ class AttentionMetadata:
             _max_page=max_page,
         )
         return md
+
+    @classmethod
+    def stand_in(
+        cls,
+        query_lens: Sequence[int],
+        prefix_lens: Sequence[int],
+        page_table: torch.Tensor,
+        page_size: int,
+        forward_modes: Sequence[ForwardMode | str] | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """A batch that writes nothing to the cache (every slot -1), for capturing graphs.
+
+        Its rows may share pages (they only read them); everything else is checked as in
+        :meth:`build`.
+        """
+        return cls.build(query_lens, prefix_lens, page_table, page_size, forward_modes, device=device, _writes=False)
 
     def __post_init__(self) -> None:
         # Runs for direct construction and dataclasses.replace (build bypasses it): fields

@@ -67,11 +67,13 @@ def resolve_implementation(name: str, device: torch.device) -> AttentionImpl:
     if impl is None and name in _lazy:
         try:
             importlib.import_module(_lazy[name])  # registers itself
-        except ImportError as e:
+        except ModuleNotFoundError as e:  # a package it needs (its own ImportErrors already say what to do)
             raise ImplementationUnavailableError(
-                f"attention implementation {name!r} cannot be imported: {e.name or e} is not installed "
+                f"attention implementation {name!r} cannot be imported: {e.name} is not installed "
                 f"(pip install fullcg[{name}]; it needs a CUDA GPU); use attention_impl='reference' or 'auto'"
             ) from e
+        except ImportError as e:
+            raise ImplementationUnavailableError(str(e)) from e
         impl = _registry.get(name)
     if impl is None:
         raise ValueError(
