@@ -29,6 +29,7 @@ from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, thro
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
+from fullcg.passes.piece_key import piece_key
 from fullcg.runner import PieceCall, StepRunner
 
 __all__ = ["Backend", "fullcg_backend"]
@@ -90,6 +91,9 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.dump = dump
         self.variant = variant
         self.calls: dict[str, PieceCall] = {}
+        #: For a compiled piece that reuses another's compilation: the name of that piece.
+        self.shared_with: dict[str, str] = {}
+        self._compiled: dict[str, PieceCall] = {}  # piece_key -> the first piece compiled with it
 
     def call_module(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         piece = next(p for p in self.split.pieces if p.name == target)
@@ -97,7 +101,15 @@ class _PieceCompiler(torch.fx.Interpreter):
         if piece.breakable:
             self.calls[target] = PieceCall(target, _eager_split_point(piece.graph_module))
         else:
-            self.calls[target] = _compile_piece(target, piece.graph_module, args, self.compiler)
+            # The layers' pieces are one graph on different weights (weights are inputs):
+            # compile the first, and let the identical others call its artifact.
+            key = piece_key(piece.graph_module, args)
+            first = self._compiled.get(key)
+            if first is None:
+                first = self._compiled[key] = _compile_piece(target, piece.graph_module, args, self.compiler)
+            else:
+                self.shared_with[target] = first.name
+            self.calls[target] = PieceCall(target, first.fn, unwrap_single=first.unwrap_single)
         return super().call_module(target, args, kwargs)
 
 
@@ -184,6 +196,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
     split: SplitGraph | None = None
     full_gm: torch.fx.GraphModule | None = None
     uuid = ""
+    shared_with: dict[str, str] = {}
 
     if wants_piecewise:
         manager = PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
@@ -209,8 +222,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
             del runnable._modules[piece.name]
             runnable.__dict__[piece.name] = call
         piecewise_fn = runnable
-        logger.info("fullcg: piecewise graph: %d pieces (%d breakable attention)",
-                    len(split.pieces), sum(p.breakable for p in split.pieces))
+        shared_with = compiler.shared_with
+        logger.info("fullcg: piecewise graph: %d pieces (%d breakable attention, %d compiled pieces of which %d distinct)",
+                    len(split.pieces), sum(p.breakable for p in split.pieces),
+                    sum(not p.breakable for p in split.pieces), sum(not p.breakable for p in split.pieces) - len(shared_with))
 
     if wants_full:
         manager = PassManager([AttributesPass(config.skip_softmax), BreakablePass(False)])
@@ -219,7 +234,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
         dump.graph("after_passes_full.py", full_gm)
         full_fn = _compile_piece("full", full_gm, example_inputs, config.compiler)
 
-    report = split_report(config, str(device), uuid, split, full_gm)
+    report = split_report(config, str(device), uuid, split, full_gm, shared_with)
     dump.write("split_report.txt", report)
     stager, token_outputs = _token_layout(gm, example_inputs, config, device)
     runner = StepRunner(

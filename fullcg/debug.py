@@ -63,9 +63,19 @@ class GraphDump:
 
 
 def split_report(
-    config: FullCGConfig, device: str, pass_uuid: str, split: SplitGraph | None, full: torch.fx.GraphModule | None
+    config: FullCGConfig,
+    device: str,
+    pass_uuid: str,
+    split: SplitGraph | None,
+    full: torch.fx.GraphModule | None,
+    shared_with: dict[str, str] | None = None,
 ) -> str:
-    """A plain-text account of how a graph was compiled: modes, capture sizes, pieces, attention nodes."""
+    """A plain-text account of how a graph was compiled: modes, capture sizes, pieces, attention nodes.
+
+    ``shared_with`` maps a compiled piece that reuses another piece's compilation (same code
+    and input metadata) to that piece's name.
+    """
+    shared_with = shared_with or {}
     from fullcg.passes.split import Piece
 
     sizes = config.sizes_to_capture
@@ -87,9 +97,14 @@ def split_report(
             f"piecewise variant: {len(split.pieces)} pieces ({compiled} compiled, "
             f"{len(split.pieces) - compiled} split points run eagerly)"
         )
+        lines.append(
+            f"distinct compiled pieces: {compiled - len(shared_with)} of {compiled} "
+            "(structurally identical pieces share one compilation)"
+        )
         for piece in split.pieces:
             if not piece.breakable:
-                kind = "compiled piece"
+                kind = f"compiled piece, same compilation as {shared_with[piece.name]}" if piece.name in shared_with \
+                    else "compiled piece"
             elif piece.attention_summary():
                 kind = "breakable attention (eager, split point)"
             else:
