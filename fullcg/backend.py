@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
+from fullcg import compile_cache
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
@@ -173,8 +174,32 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             "fullcg: the model was compiled with autograd enabled; fullcg compiles inference steps and runs "
             "them without recording gradients (wrap steps in torch.inference_mode() to silence this)"
         )
+    cache = compile_cache.cache_for(config)
     with torch.no_grad():
-        return _compile_graph(gm, example_inputs, config)
+        if cache is None:
+            return _compile_graph(gm, example_inputs, config)
+        key = cache.key(gm, example_inputs, config, _pass_uuid(config))
+        try:
+            with cache.session(key):
+                return _compile_graph(gm, example_inputs, config)
+        except Exception as exc:
+            # Something in the caches could not be used (or the graph cannot be compiled at
+            # all): compile once more without any cache; a genuine error raises from there.
+            cache.discard(key)
+            logger.warning("fullcg: compiling with the compile cache failed (%s: %s); compiling once more without it",
+                           type(exc).__name__, exc)
+        with compile_cache.uncached_compile():
+            return _compile_graph(gm, example_inputs, config)
+
+
+def _pass_uuid(config: FullCGConfig) -> str:
+    """The uuid of every pass sequence ``config.graph_mode`` applies."""
+    uuids = []
+    if config.graph_mode.wants_piecewise:
+        uuids.append(PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)]).uuid())
+    if config.graph_mode.wants_full:
+        uuids.append(PassManager([AttributesPass(config.skip_softmax), BreakablePass(False)]).uuid())
+    return ",".join(uuids)
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig) -> StepRunner:

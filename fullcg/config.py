@@ -222,6 +222,10 @@ class FullCGConfig:
         max_pages_per_request: page-table columns that captured full graphs hold for one
             request (its longest prefix plus new tokens, in pages); None = the KV cache's
             page count. A batch with a longer page table runs uncaptured.
+        compile_cache: keep what compiling produced on disk and load it back in the next
+            process (:mod:`fullcg.compile_cache`); off also with ``FULLCG_DISABLE_COMPILE_CACHE=1``.
+        cache_dir: where the compile cache lives; None = ``$FULLCG_CACHE_DIR``, else
+            ``~/.cache/fullcg`` (resolved when a graph is compiled).
     """
 
     attention_impl: str = "auto"
@@ -235,6 +239,8 @@ class FullCGConfig:
     debug_graph_inputs: bool = False
     debug_checks: bool = False
     max_pages_per_request: int | None = None
+    compile_cache: bool = True
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
@@ -280,11 +286,17 @@ class FullCGConfig:
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
         if self.max_pages_per_request is not None:
             _positive_int(self.max_pages_per_request, "max_pages_per_request")
-        for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks"):
+        for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ConfigTypeError(f"dump_dir must be a path or None, got {self.dump_dir!r}")
+        if self.cache_dir is not None:
+            if not isinstance(self.cache_dir, (str, os.PathLike)):
+                raise ConfigTypeError(
+                    f"cache_dir must be a path or None (FULLCG_CACHE_DIR, else ~/.cache/fullcg), got {self.cache_dir!r}"
+                )
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
 
     @property
     def sizes_to_capture(self) -> tuple[int, ...]:

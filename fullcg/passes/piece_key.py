@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["piece_key"]
+__all__ = ["input_signature", "piece_key"]
 
 
 def _target_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
@@ -49,7 +49,8 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def _input_signature(example_inputs: Sequence[Any]) -> list[Any]:
+def input_signature(example_inputs: Sequence[Any]) -> list[Any]:
+    """What a compiled artifact may assume about its inputs, with symbolic sizes by their symbol."""
     storages: list[tuple[StorageWeakRef, int]] = []
     signature = []
     for i, value in enumerate(example_inputs):
@@ -72,5 +73,5 @@ def _input_signature(example_inputs: Sequence[Any]) -> list[Any]:
 
 def piece_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
     """A hash of ``gm``'s code (names aside) and of its inputs' metadata."""
-    text = repr((_graph_code(gm), _input_signature(example_inputs)))
+    text = repr((_graph_code(gm), input_signature(example_inputs)))
     return hashlib.sha256(text.encode()).hexdigest()
