@@ -182,6 +182,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         try:
             with cache.session(key):
                 return _compile_graph(gm, example_inputs, config)
+        except FullCGError:
+            raise  # fullcg refused the graph or its config: no cache is involved
         except Exception as exc:
             # Something in the caches could not be used (or the graph cannot be compiled at
             # all): compile once more without any cache; a genuine error raises from there.

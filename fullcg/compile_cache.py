@@ -39,6 +39,7 @@ import torch
 import torch.fx
 
 from fullcg.config import FullCGConfig
+from fullcg.errors import InvalidConfigError
 from fullcg.passes.piece_key import input_signature
 
 __all__ = [
@@ -97,7 +98,7 @@ def _truthy_env(name: str) -> bool:
         return False
     if raw in ("1", "true"):
         return True
-    raise ValueError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
+    raise InvalidConfigError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
 
 
 def cache_for(config: FullCGConfig) -> CompileCache | None:
