@@ -27,6 +27,8 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     uid: int = dataclasses.field(init=False, repr=False)
+    #: A compiled model's step ran over this cache (an eager step over it is then a fallback).
+    compiled: bool = dataclasses.field(init=False, repr=False, default=False)
     #: Made under ``torch.inference_mode``: it can only be written inside it.
     is_inference: bool = dataclasses.field(init=False, repr=False)
 

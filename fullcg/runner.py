@@ -12,7 +12,6 @@ Every step is counted by how it ran, so a mode is never changed silently:
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -24,32 +23,15 @@ from fullcg import cudagraph
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import ForwardContext, derived_context, get_forward_context
 from fullcg.ops.impl import AttentionImpl, resolve_implementation
+from fullcg.telemetry import count_step as _count
+from fullcg.telemetry import graph_mode_counts, reset_graph_mode_counts
 
 __all__ = ["StepRunner", "PieceCall", "graph_mode_counts", "reset_graph_mode_counts", "request_capture", "capture"]
 
 logger = logging.getLogger(__name__)
 
-# Steps of every thread, by how they ran; the lock makes each increment atomic.
-_counts: collections.Counter[str] = collections.Counter()
-_counts_lock = threading.Lock()
 # A capture request is per thread, like the forward context that the capturing step runs in.
 _capture = threading.local()
-
-
-def graph_mode_counts() -> collections.Counter[str]:
-    """Steps by how they ran: ``full``/``piecewise`` + ``:captured`` (CUDA graphs) or ``:eager``."""
-    with _counts_lock:
-        return collections.Counter(_counts)
-
-
-def reset_graph_mode_counts() -> None:
-    with _counts_lock:
-        _counts.clear()
-
-
-def _count(key: str) -> None:
-    with _counts_lock:
-        _counts[key] += 1
 
 
 def request_capture() -> None:
@@ -124,6 +106,7 @@ class StepRunner:
         self.tables: cudagraph.StaticTables | None = None
         self.on_first_call: Callable[[], None] | None = None
         self._first_captured_call = True
+        self._first_call = True
         self._impl: AttentionImpl | None = None
         self._full_ok: bool | None = None
         #: The split report of the graph this runner runs (see fullcg.debug.split_report).
@@ -163,6 +146,11 @@ class StepRunner:
             hook, self.on_first_call = self.on_first_call, None
             hook()
         ctx = get_forward_context()
+        if self._first_call:
+            # The caches of a compiled model: an eager step over them is a fallback (see telemetry).
+            self._first_call = False
+            for cache in ctx.kv_caches.values():
+                cache.compiled = True
         if self.captures and (_take_capture_request() or (self.config.capture_on_compile and self._first_captured_call)):
             self.capture_all(args, ctx)
         self._first_captured_call = False

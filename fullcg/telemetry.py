@@ -1,4 +1,12 @@
-"""Skip-softmax counters: tiles visited and skipped, per layer and per kind of request.
+"""Counters of what ran: steps by graph path, and skip-softmax tiles visited and skipped.
+
+Steps: :func:`graph_mode_counts` counts every step of a compiled model by how it ran
+(``full``/``piecewise`` + ``:captured`` or ``:eager``), and ``fallback`` for steps that
+ran a compiled model's layers outside fullcg (Dynamo running the frame eagerly, for
+example past its recompile limit), so no step leaves fullcg unseen. Counts are
+process-wide, updated under a lock.
+
+Skip-softmax: tiles visited and skipped, per layer and per kind of request.
 
 A tile is one (KV head, block of query rows, block of keys) unit of work. Counters live
 on the device of the attention that updates them, as ``int64 [2, 2]`` tensors indexed
@@ -8,11 +16,56 @@ on the device of the attention that updates them, as ``int64 [2, 2]`` tensors in
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
+import threading
 
 import torch
 
-__all__ = ["SkipSoftmaxStats", "skip_softmax_stats", "reset_skip_softmax_stats", "counters"]
+__all__ = [
+    "SkipSoftmaxStats", "skip_softmax_stats", "reset_skip_softmax_stats", "counters",
+    "graph_mode_counts", "reset_graph_mode_counts", "count_step", "count_fallback",
+]
+
+logger = logging.getLogger(__name__)
+
+_steps: collections.Counter[str] = collections.Counter()
+_steps_lock = threading.Lock()
+_warned_fallback = False
+
+
+def graph_mode_counts() -> collections.Counter[str]:
+    """Steps by how they ran: ``full``/``piecewise`` + ``:captured`` (CUDA graphs) or
+    ``:eager``, and ``fallback`` (a compiled model's step that ran outside fullcg)."""
+    with _steps_lock:
+        return collections.Counter(_steps)
+
+
+def reset_graph_mode_counts() -> None:
+    with _steps_lock:
+        _steps.clear()
+
+
+def count_step(key: str) -> None:
+    """Count one step under ``key``."""
+    with _steps_lock:
+        _steps[key] += 1
+
+
+def count_fallback(source: str) -> None:
+    """Count a step of a compiled model that ran eagerly outside fullcg; warn the first time."""
+    global _warned_fallback
+    count_step("fallback")
+    if not _warned_fallback:
+        _warned_fallback = True
+        logger.warning(
+            "fullcg: a step of %s ran its attention outside the compiled graph (no fullcg pieces or CUDA graphs): "
+            "Dynamo ran the model eagerly, for example past its recompile limit (raise "
+            "torch._dynamo.config.recompile_limit, or see why it recompiles with TORCH_LOGS=recompiles). "
+            "Counted as graph_mode_counts()['fallback']; if you meant to run the compiled model's modules "
+            "eagerly, ignore this.", source,
+        )
 
 PREFILL, DECODE = 0, 1
 VISITED, SKIPPED = 0, 1

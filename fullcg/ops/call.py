@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from fullcg import telemetry
 from fullcg.config import check_scale_factor
 from fullcg.context import ForwardContext
 from fullcg.errors import DtypeMismatchError, OverlappingOutputError
@@ -231,5 +232,8 @@ def _check_cache(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None
         )
     if cache.page_size != md.page_size:
         raise ValueError(f"{where}: metadata page_size {md.page_size} differs from the cache's {cache.page_size}")
+    if cache.compiled and not ctx.compiled and "fallback" not in ctx.memo:
+        ctx.memo["fallback"] = True  # once per step
+        telemetry.count_fallback(ctx.source)
     ctx.memo[("cache_ok", call.layer_id)] = cache
     return cache
