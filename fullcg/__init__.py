@@ -3,6 +3,7 @@
 The public surface:
 
 - :class:`Attention`: the layer a decoder uses for attention;
+- :func:`compile`: compile a model with fullcg, its token dimension dynamic from the first step;
 - :class:`Backend`: the compile backend, configured (``backend="fullcg"`` also works);
 - :func:`forward_context`, :class:`AttentionMetadata`, :class:`ForwardMode`: per-step data;
 - :class:`KVCache`: a layer's paged KV cache;
@@ -19,7 +20,7 @@ The public surface:
 Importing fullcg registers the ``torch.ops.fullcg`` ops.
 """
 
-from fullcg.backend import Backend
+from fullcg.backend import Backend, CompiledModel, compile
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig
 from fullcg.context import forward_context, get_forward_context
 from fullcg.metadata import AttentionMetadata, ForwardMode
@@ -37,6 +38,8 @@ from fullcg.generate import generate  # noqa: E402  (binds fullcg.generate to th
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompiledModel",
+    "compile",
     "Attention",
     "Backend",
     "AttentionMetadata",

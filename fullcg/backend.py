@@ -33,7 +33,7 @@ from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph
 from fullcg.passes.piece_key import piece_key
 from fullcg.runner import PieceCall, StepRunner
 
-__all__ = ["Backend", "fullcg_backend"]
+__all__ = ["Backend", "CompiledModel", "compile", "fullcg_backend"]
 
 GATHER_OPS = (torch.ops.fullcg.gather_prefix_chunk, torch.ops.fullcg.gather_prefix_chunk.default)
 
@@ -331,3 +331,39 @@ def fullcg_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     except FullCGError as e:
         raise through_dynamo(e) from None
     return backend(gm, example_inputs, **kwargs)
+
+
+class CompiledModel:
+    """A model compiled with fullcg whose token dimension is dynamic from the first step.
+
+    Dimension 0 of every tensor argument is the token dimension (the convention of models
+    built on ``fullcg.Attention``: ``input_ids [T]``, ``positions [T]``, hidden states
+    ``[T, H]``), marked dynamic before each call, so the first trace already serves every
+    token count and the second step never recompiles. Other dimensions stay static, so the
+    runner can pad and capture. Built by :func:`compile`.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: Backend) -> None:
+        self.model = model
+        self.backend = backend
+        self._compiled = torch.compile(model, backend=backend)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                torch._dynamo.mark_dynamic(value, 0)
+        return self._compiled(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"fullcg.compile({type(self.model).__name__}, graph_mode={self.backend.config.graph_mode})"
+
+
+def compile(model: torch.nn.Module, config: FullCGConfig | None = None, **options: Any) -> CompiledModel:
+    """``torch.compile(model, backend=fullcg.Backend(config, **options))`` with the token
+    dimension (dimension 0 of every tensor argument) dynamic from the first step.
+
+    Plain ``torch.compile(model, backend="fullcg")`` works too; then Dynamo specialises the
+    first step's token count and compiles again at the second (or the caller marks
+    dimension 0 dynamic with ``torch._dynamo.mark_dynamic``).
+    """
+    return CompiledModel(model, Backend(config, **options))
