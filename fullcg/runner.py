@@ -105,7 +105,6 @@ class StepRunner:
         self.static_metadata: dict[int, cudagraph.StaticMetadata] = {}
         self.tables: cudagraph.StaticTables | None = None
         self.on_first_call: Callable[[], None] | None = None
-        self._first_captured_call = True
         self._first_call = True
         self._impl: AttentionImpl | None = None
         self._full_ok: bool | None = None
@@ -146,14 +145,13 @@ class StepRunner:
             hook, self.on_first_call = self.on_first_call, None
             hook()
         ctx = get_forward_context()
-        if self._first_call:
+        first_call, self._first_call = self._first_call, False
+        if first_call:
             # The caches of a compiled model: an eager step over them is a fallback (see telemetry).
-            self._first_call = False
             for cache in ctx.kv_caches.values():
                 cache.compiled = True
-        if self.captures and (_take_capture_request() or (self.config.capture_on_compile and self._first_captured_call)):
+        if self.captures and (_take_capture_request() or (self.config.capture_on_compile and first_call)):
             self.capture_all(args, ctx)
-        self._first_captured_call = False
         variant = self.choose(ctx)
         n = self.stager.num_tokens(args) if self.captures else None
         size = cudagraph.padded_size(n, self.sizes) if n is not None else None

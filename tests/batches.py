@@ -131,3 +131,38 @@ def oracle(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+def side_by_side(
+    eager: torch.nn.Module,
+    compiled_model: torch.nn.Module,
+    compiled_fn,
+    config: fullcg.FullCGConfig,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    prefill_chunk: int = 1 << 30,
+    prefix_chunk_tokens: int = 4096,
+) -> tuple[float, list[set[str]]]:
+    """Drive an eager model and a compiled copy through the same steps (both follow the eager
+    model's greedy tokens); the largest logit difference and each step's forward modes."""
+    from fullcg.models.generate import Scheduler
+
+    s_eager, s_comp = (
+        Scheduler(prompts, max_new_tokens, num_pages=64, page_size=4, prefill_chunk=prefill_chunk,
+                  prefix_chunk_tokens=prefix_chunk_tokens)
+        for _ in range(2)
+    )
+    worst, modes = 0.0, []
+    with torch.inference_mode():
+        while (step := s_eager.next_step()) is not None:
+            step_c = s_comp.next_step()
+            with fullcg.forward_context(step.metadata, eager, config=config):
+                expected = eager(step.input_ids, step.positions)
+            with fullcg.forward_context(step_c.metadata, compiled_model, config=config):
+                got = compiled_fn(step_c.input_ids, step_c.positions)
+            worst = max(worst, (expected - got).abs().max().item())
+            modes.append({m.value for m in step.modes})
+            s_eager.commit(step, expected)
+            s_comp.commit(step_c, expected)
+    return worst, modes

@@ -12,6 +12,7 @@ from fullcg.backend import Backend
 from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
 from fullcg.passes import AttributesPass, BreakablePass, PassManager
+from batches import side_by_side
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7], list(range(20, 33))]
 SKIP = fullcg.SkipSoftmaxConfig(prefill_scale_factor=2.0, decode_scale_factor=1.5, tile_kv=4, tile_q=2)
@@ -28,23 +29,8 @@ def _models(chunked_prefix: bool = False, seed: int = 0) -> tuple[LlamaModel, Ll
 def run_side_by_side(eager, compiled_model, compiled_fn, config, *, prefill_chunk=6, max_new_tokens=4):
     """Drive both models through the same steps (prefill, extend, mixed, decode); returns the
     largest logit difference, and the forward modes of every step."""
-    s_eager = Scheduler(PROMPTS, max_new_tokens, num_pages=64, page_size=4, prefill_chunk=prefill_chunk,
-                        prefix_chunk_tokens=8)
-    s_comp = Scheduler(PROMPTS, max_new_tokens, num_pages=64, page_size=4, prefill_chunk=prefill_chunk,
-                       prefix_chunk_tokens=8)
-    worst, modes = 0.0, []
-    with torch.inference_mode():
-        while (step := s_eager.next_step()) is not None:
-            step_c = s_comp.next_step()
-            with fullcg.forward_context(step.metadata, eager, config=config):
-                expected = eager(step.input_ids, step.positions)
-            with fullcg.forward_context(step_c.metadata, compiled_model, config=config):
-                got = compiled_fn(step_c.input_ids, step_c.positions)
-            worst = max(worst, (expected - got).abs().max().item())
-            modes.append({m.value for m in step.modes})
-            s_eager.commit(step, expected)
-            s_comp.commit(step_c, expected)  # both follow the eager tokens
-    return worst, modes
+    return side_by_side(eager, compiled_model, compiled_fn, config, PROMPTS, max_new_tokens=max_new_tokens,
+                        prefill_chunk=prefill_chunk, prefix_chunk_tokens=8)
 
 
 @pytest.mark.parametrize("graph_mode", fullcg.config.GRAPH_MODES)

@@ -10,7 +10,7 @@ import torch._inductor.compile_fx
 
 import fullcg
 from fullcg.backend import Backend
-from fullcg.models.generate import Scheduler
+from batches import side_by_side
 from fullcg.models.llama import LlamaConfig, LlamaModel
 from fullcg.passes.piece_key import piece_key
 
@@ -34,20 +34,7 @@ def _compare_with_eager(model: LlamaModel, config: fullcg.FullCGConfig) -> tuple
     eager = copy.deepcopy(model)
     backend = Backend(config)
     compiled = torch.compile(model, backend=backend)
-    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    s_eager = Scheduler(prompts, 3, num_pages=64, page_size=4)
-    s_comp = Scheduler(prompts, 3, num_pages=64, page_size=4)
-    worst = 0.0
-    with torch.inference_mode():
-        while (step := s_eager.next_step()) is not None:
-            step_c = s_comp.next_step()
-            with fullcg.forward_context(step.metadata, eager, config=config):
-                expected = eager(step.input_ids, step.positions)
-            with fullcg.forward_context(step_c.metadata, model, config=config):
-                got = compiled(step_c.input_ids, step_c.positions)
-            worst = max(worst, (expected - got).abs().max().item())
-            s_eager.commit(step, expected)
-            s_comp.commit(step_c, expected)
+    worst, _ = side_by_side(eager, model, compiled, config, [[1, 2, 3, 4, 5], [6, 7, 8]], max_new_tokens=3)
     return worst, backend
 
 
