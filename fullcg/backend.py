@@ -31,11 +31,10 @@ from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
 from fullcg.passes.piece_key import piece_key
+from fullcg.passes.split import reads_host_plan
 from fullcg.runner import PieceCall, StepRunner
 
 __all__ = ["Backend", "CompiledModel", "compile", "fullcg_backend"]
-
-GATHER_OPS = (torch.ops.fullcg.gather_prefix_chunk, torch.ops.fullcg.gather_prefix_chunk.default)
 
 logger = logging.getLogger(__name__)
 _warned_cpu = False
@@ -267,7 +266,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
     runner = StepRunner(
         config, piecewise=piecewise_fn, full=full_fn, device=device, pool=pool, stager=stager,
         token_outputs=token_outputs,
-        full_capturable=not any(n.op == "call_function" and n.target in GATHER_OPS for n in gm.graph.nodes),
+        full_capturable=not any(n.op == "call_function" and reads_host_plan(n.target) for n in gm.graph.nodes),
     )
     runner.report = report
     if dump.enabled:

@@ -154,6 +154,26 @@ class Attention(nn.Module, CacheOwner):
             out = out.view(q3.shape[0], self.num_heads * self.v_head_dim)
         return (out, lse) if return_lse else out
 
+    def merge_prefix_chunks(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Attend ``q`` over every chunk of this step's cached prefix, merging each into
+        ``out``/``lse`` in place (the chunked-prefix pattern, whatever the chunk count).
+
+        ``out``, ``lse`` are a partial result with LSE, usually of the new tokens over
+        themselves: ``out, lse = attn(q, k, v, return_lse=True, use_kv_cache=False,
+        save_kv_cache=True)``. Afterwards they are attention over prefix and new tokens.
+        The chunk loop runs inside one op, so a compiled model has one graph for every
+        chunk count (a Python loop over chunks in the model would trace one per count).
+        Models that transform a chunk before attending to it (an up-projection) use
+        :meth:`gather_prefix_chunk` and ``prefix_chunk=c`` instead.
+        """
+        q3 = self._as_3d(q, "q", self.num_heads, self.head_dim)
+        out3 = self._as_3d(out, "out", self.num_heads, self.v_head_dim)
+        prefill_factor, decode_factor = context.skip_softmax_factors()
+        torch.ops.fullcg.merge_prefix_chunks.default(
+            q3, out3, lse, self.layer_id, prefill_factor, decode_factor, self.scale,
+            self._kv_cache.uid if self._kv_cache is not None else 0,
+        )
+
     def gather_prefix_chunk(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of prefix chunk ``chunk`` of every request, packed, from the cache.
 

@@ -10,8 +10,9 @@ import torch
 import fullcg
 from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
-from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES
+from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES, MERGE_PREFIX_ATTRIBUTES
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, split_graph
+from fullcg.passes.attributes import node_attribute
 
 
 def _dynamo_graph(chunked_prefix: bool) -> torch.fx.GraphModule:
@@ -46,6 +47,8 @@ def _describe(gm: torch.fx.GraphModule) -> str:
         for n in fullcg_nodes:
             if n.target in ATTENTION_OPS.values():
                 attrs = ", ".join(f"{k}={v}" for k, v in zip(ATTRIBUTE_NAMES, n.args[4:]))
+            elif n.target is torch.ops.fullcg.merge_prefix_chunks.default:
+                attrs = ", ".join(f"{k}={node_attribute(n, k)}" for k in MERGE_PREFIX_ATTRIBUTES)
             else:
                 attrs = ", ".join("%" if isinstance(a, torch.fx.Node) else str(a) for a in n.args)
             lines.append(f"  {n.target}({attrs})")
@@ -64,26 +67,17 @@ submod_3 [breakable]
   fullcg.breakable_attention.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, kv_cache_id=#)
 submod_4 [compiled]""")
 
-    def test_chunked_prefix_model_splits_at_attention_and_gather_and_keeps_merge_inside(self):
+    def test_chunked_prefix_model_splits_at_the_suffix_attention_and_at_the_prefix_chunk_merge(self):
+        # One merge_prefix_chunks node per layer, whatever the step's chunk count: one graph for all counts.
         self.assertExpectedInline(_describe(_dynamo_graph(chunked_prefix=True)), """\
 submod_0 [compiled]
 submod_1 [breakable]
   fullcg.breakable_attention_with_lse.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, kv_cache_id=#)
-submod_2 [compiled]
 submod_3 [breakable]
-  fullcg.gather_prefix_chunk.default(%, %, 0, 0)
+  fullcg.merge_prefix_chunks.default(layer_id=0, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#)
 submod_4 [compiled]
 submod_5 [breakable]
-  fullcg.breakable_attention_with_lse.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=False, prefix_chunk=0, save_kv_cache=False, kv_cache_id=#)
-submod_6 [compiled]
-  fullcg.merge_attn_states.default(%, %, %, %, %, %)
-submod_7 [breakable]
   fullcg.breakable_attention_with_lse.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, kv_cache_id=#)
-submod_8 [compiled]
-submod_9 [breakable]
-  fullcg.gather_prefix_chunk.default(%, %, 1, 0)
-submod_10 [compiled]
-submod_11 [breakable]
-  fullcg.breakable_attention_with_lse.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=False, prefix_chunk=0, save_kv_cache=False, kv_cache_id=#)
-submod_12 [compiled]
-  fullcg.merge_attn_states.default(%, %, %, %, %, %)""")
+submod_7 [breakable]
+  fullcg.merge_prefix_chunks.default(layer_id=1, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#)
+submod_8 [compiled]""")

@@ -56,6 +56,13 @@ def test_given_kv_and_prefix_chunk_attention_pass_opcheck():
         )
 
 
+def test_merge_prefix_chunks_passes_opcheck():
+    b = make_batch([4, 2], [5, 9], prefix_chunk_tokens=6)
+    with fullcg.forward_context(b.metadata, b.layer):
+        out, lse = b.layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, save_kv_cache=False)
+        torch.library.opcheck(torch.ops.fullcg.merge_prefix_chunks.default, (b.q, out, lse, 0, None, None, None, 0))
+
+
 def test_merge_attn_states_passes_opcheck():
     torch.manual_seed(0)
     a, b = torch.randn(5, 3, 8), torch.randn(5, 3, 8)

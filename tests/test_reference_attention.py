@@ -107,6 +107,64 @@ def test_chunked_prefix_merge_equals_attention_over_the_whole_sequence(chunk_tok
     assert torch.equal(fresh.layer.kv_cache.k, b.layer.kv_cache.k)
 
 
+@pytest.mark.parametrize("chunk_tokens", [1000, 8, 3], ids=["one-chunk", "several-chunks", "many-chunks"])
+def test_merge_prefix_chunks_equals_the_explicit_chunk_loop_and_the_whole_sequence(chunk_tokens):
+    b = make_batch([5, 3, 4, 1], [11, 0, 6, 9], prefix_chunk_tokens=chunk_tokens, seed=3)
+    with fullcg.forward_context(b.metadata, b.layer):
+        looped, looped_lse = _chunked_prefix_attention(b, b.layer)
+    b = make_batch([5, 3, 4, 1], [11, 0, 6, 9], prefix_chunk_tokens=chunk_tokens, seed=3)
+    with fullcg.forward_context(b.metadata, b.layer):
+        out, lse = b.layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, causal=True, save_kv_cache=True)
+        b.layer.merge_prefix_chunks(b.q, out, lse)  # in place
+    torch.testing.assert_close(out, looped, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, looped_lse, atol=1e-6, rtol=1e-6)
+    expected_out, expected_lse = oracle(b)
+    assert (out.double() - expected_out).abs().max() < 1e-5
+    assert (lse.double() - expected_lse).abs().max() < 1e-5
+
+
+def test_merge_prefix_chunks_leaves_a_batch_without_prefix_as_it_is():
+    b = make_batch([5, 3], [0, 0], seed=1)
+    with fullcg.forward_context(b.metadata, b.layer):
+        out, lse = b.layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, causal=True, save_kv_cache=True)
+        before, before_lse = out.clone(), lse.clone()
+        assert b.metadata.prefix_chunks == ()
+        b.layer.merge_prefix_chunks(b.q, out, lse)
+    assert torch.equal(out, before) and torch.equal(lse, before_lse)
+
+
+def test_merge_prefix_chunks_applies_each_requests_factor_by_its_mode():
+    # Decode rows use the decode factor, extend rows the prefill factor: an enormous decode
+    # factor disables skipping for decodes only (lambda >= 1), visible in the counters.
+    b = make_batch([4, 1], [40, 40], prefix_chunk_tokens=1000, seed=2, key_bias=3.0, sink=8.0)
+    config = fullcg.FullCGConfig(skip_softmax=fullcg.SkipSoftmaxConfig(
+        prefill_scale_factor=30.0, decode_scale_factor=1e9, tile_kv=4, tile_q=2))
+    fullcg.reset_skip_softmax_stats()
+    with fullcg.forward_context(b.metadata, b.layer, config=config):
+        out, lse = b.layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, causal=True, save_kv_cache=True)
+        fullcg.reset_skip_softmax_stats()
+        torch.ops.fullcg.merge_prefix_chunks.default(b.q, out, lse, 0, 30.0, 1e9, b.layer.scale, 0)
+    stats = fullcg.skip_softmax_stats()[0]
+    assert stats.prefill_visited > 0 and stats.prefill_skipped > 0, stats
+    assert stats.decode_visited > 0 and stats.decode_skipped == 0, stats
+
+
+def test_merge_prefix_chunks_refuses_a_context_of_another_model_and_bad_shapes():
+    b = make_batch([2], [6], seed=4)
+    other = make_batch([2], [6], seed=4)
+    with fullcg.forward_context(b.metadata, other.layer):
+        out, lse = torch.zeros_like(b.q), torch.full(b.q.shape[:2], float("-inf"))
+        with pytest.raises(RuntimeError, match="another model"):
+            b.layer.merge_prefix_chunks(b.q, out, lse)
+    with fullcg.forward_context(b.metadata, b.layer):
+        with pytest.raises(ValueError, match="lse must be float32"):
+            b.layer.merge_prefix_chunks(b.q, out, lse.double())
+        with pytest.raises(ValueError, match="q must be"):
+            b.layer.merge_prefix_chunks(b.q[:1], out, lse)
+    with pytest.raises(RuntimeError, match="no forward context"):
+        b.layer.merge_prefix_chunks(b.q, out, lse)
+
+
 def test_padding_rows_of_kv_are_never_read():
     b = make_batch([4, 1], [0, 7])
     rows = b.k.shape[0]

@@ -4,8 +4,8 @@ RMSNorm, rotary embedding, GQA attention over a paged KV cache, SwiGLU MLP. Weig
 random but deterministic from a seed, so two instances built alike are identical. Sizes
 go from ``tiny`` (CPU tests) to ``llama3_8b`` (the shape of Llama-3-8B, for GPU
 benchmarks). With ``chunked_prefix=True`` attention uses the chunked-prefix pattern:
-the new tokens attend over themselves with LSE, each chunk of the cached prefix is
-attended separately with LSE, and the parts are merged exactly.
+the new tokens attend over themselves with LSE, then each chunk of the cached prefix is
+attended separately and merged in exactly by LSE (``Attention.merge_prefix_chunks``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 import fullcg
-from fullcg import context
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -113,14 +112,9 @@ class LlamaAttention(nn.Module):
 
     def _chunked_prefix_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # The new tokens attend over themselves (and are saved to the cache); each chunk of
-        # the cached prefix is attended apart; the partial results merge exactly by LSE.
+        # the cached prefix is attended apart and merged in exactly by LSE, in one op.
         out, lse = self.attn(q, k, v, return_lse=True, use_kv_cache=False, causal=True, save_kv_cache=True)
-        for c in range(context.num_prefix_chunks()):
-            k_c, v_c = self.attn.gather_prefix_chunk(c)
-            out_c, lse_c = self.attn(q, k_c, v_c, return_lse=True, use_kv_cache=False, causal=False, prefix_chunk=c)
-            merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-            torch.ops.fullcg.merge_attn_states.default(merged, out_c, lse_c, out, lse, merged_lse)
-            out, lse = merged, merged_lse
+        self.attn.merge_prefix_chunks(q, out, lse)
         return out
 
 

@@ -8,6 +8,7 @@ from fullcg.ops.attention import (
     breakable_attention_with_lse,
     gather_prefix_chunk,
     merge_attn_states,
+    merge_prefix_chunks,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "breakable_attention_with_lse",
     "gather_prefix_chunk",
     "merge_attn_states",
+    "merge_prefix_chunks",
 ]

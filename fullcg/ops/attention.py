@@ -13,21 +13,23 @@ Breakable ops are where the compile backend splits a graph into pieces; they are
 ``cudagraph_unsafe`` so that Inductor's own partitioning agrees. Per-batch data comes
 from the forward context, never from graph inputs. LSE is natural-log and token-major.
 
-Also here: ``fullcg::merge_attn_states`` (exact merge of two partial results by LSE) and
-``fullcg::gather_prefix_chunk`` (copies one chunk of every request's cached prefix out of
-the paged KV cache, for the chunked-prefix pattern).
+Also here: ``fullcg::merge_attn_states`` (exact merge of two partial results by LSE), and
+for the chunked-prefix pattern ``fullcg::merge_prefix_chunks`` (attends over every chunk
+of the cached prefix and merges each in, however many the step has: one graph for all
+counts) and ``fullcg::gather_prefix_chunk`` (copies one chunk of every request's cached
+prefix out of the paged KV cache, for models that transform a chunk before attending).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from fullcg.context import ForwardContext, current_context, get_forward_context
 from fullcg.ops import torch_ops
-from fullcg.ops.call import AttentionCall, check_against_context, check_no_overlap, check_tensors
+from fullcg.ops.call import AttentionCall, check_against_context, check_no_overlap, check_tensors, layer_cache
 from fullcg.ops.impl import AttentionImpl, resolve_implementation
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "breakable_attention_with_lse",
     "merge_attn_states",
     "gather_prefix_chunk",
+    "merge_prefix_chunks",
     "ATTENTION_OPS",
     "ATTRIBUTE_NAMES",
     "EAGER_KERNELS",
@@ -239,4 +242,106 @@ gather_prefix_chunk = _register(
     "(Tensor(a!) k_out, Tensor(b!) v_out, int layer_id, int chunk) -> ()",
     _gather_prefix_chunk,
     _gather_prefix_chunk_fake,
+)
+
+
+def _check_merge_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, layer_id: int) -> None:
+    where = f"fullcg.merge_prefix_chunks (layer {layer_id})"
+    if q.dim() != 3 or out.dim() != 3 or out.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"{where}: q must be [tokens, heads, head_dim] and out [tokens, heads, v_head_dim] with q's tokens and "
+            f"heads, got {tuple(q.shape)} and {tuple(out.shape)}"
+        )
+    if out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"{where}: out must share q's dtype and device ({q.dtype}, {q.device})")
+    if tuple(lse.shape) != tuple(q.shape[:2]) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(
+            f"{where}: lse must be float32 {tuple(q.shape[:2])} [tokens, heads] on {q.device}, "
+            f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}"
+        )
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
+        raise ValueError(f"{where}: layer_id must be a non-negative integer, got {layer_id!r}")
+
+
+def _chunk_buffers(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, cache: Any, rows: int) -> tuple:
+    """Gather and result buffers for one chunk, made once per step and shared by its layers."""
+    key = ("prefix_chunk_buffers", q.shape, out.shape[2], cache.num_kv_heads, cache.head_dim, cache.v_head_dim, q.dtype)
+    buffers = ctx.memo.get(key)
+    if buffers is None:
+        buffers = ctx.memo[key] = (
+            q.new_empty((rows, cache.num_kv_heads, cache.head_dim)),
+            q.new_empty((rows, cache.num_kv_heads, cache.v_head_dim)),
+            torch.empty_like(out),
+        )
+    return buffers
+
+
+def _merge_prefix_chunks(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layer_id: int,
+    skip_softmax_prefill_scale_factor: Optional[float] = None,
+    skip_softmax_decode_scale_factor: Optional[float] = None,
+    scale: Optional[float] = None,
+    kv_cache_id: int = 0,
+) -> None:
+    """Attend ``q`` over every chunk of the step's cached prefix and merge each into
+    ``out``/``lse`` in place.
+
+    ``out``/``lse`` hold a partial result (typically the new tokens attended over
+    themselves, with LSE). The chunk count is read from the step's metadata when the op
+    runs, so one graph serves every count: the loop the chunked-prefix pattern would
+    otherwise unroll in the graph (one graph per count) runs here, eagerly, always
+    between pieces. Each chunk is gathered, attended without a causal mask (every new
+    token sees the whole prefix; skip-softmax factors per request's mode) and merged.
+    """
+    _check_merge_prefix(q, out, lse, layer_id)
+    ctx = get_forward_context()
+    md = ctx.metadata
+    if not md.prefix_chunks:
+        return
+    where = f"fullcg.merge_prefix_chunks (layer {layer_id})"
+    if q.shape[0] < md.num_tokens:
+        raise ValueError(f"{where}: q has {q.shape[0]} tokens but the batch has {md.num_tokens} new tokens")
+    cache = ctx.kv_caches.get(layer_id)
+    if cache is None:
+        raise RuntimeError(
+            f"{where}: no KV cache for this layer in the forward context; pass the model as "
+            "forward_context(metadata, model)"
+        )
+    k_c, v_c, out_c = _chunk_buffers(ctx, q, out, cache, md.prefix_chunk_tokens)
+    # One call object for all chunks: only the chunk index changes.
+    call = AttentionCall(
+        "merge_prefix_chunks", q, k_c, v_c, out_c, layer_id, None, skip_softmax_prefill_scale_factor,
+        skip_softmax_decode_scale_factor, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        False, False, 0, False, True, kv_cache_id,
+    )
+    layer_cache(call, ctx)  # the calling layer's own cache, and it fits (raises naming the fix)
+    impl = step_implementation(ctx, q.device)
+    for c, plan in enumerate(md.prefix_chunks):
+        torch_ops.gather_prefix_chunk(k_c, v_c, cache, md, plan)
+        call.prefix_chunk = c
+        lse_c = impl.forward(call, ctx, None)
+        if lse_c is None:
+            raise RuntimeError(f"attention implementation {impl.name!r} returned no LSE for fullcg.merge_prefix_chunks")
+        torch_ops.merge_states(out, out_c, lse_c, out, lse, lse)
+
+
+def _merge_prefix_chunks_fake(q, out, lse, layer_id, *attrs) -> None:
+    _check_merge_prefix(q, out, lse, layer_id)
+
+
+#: The attributes of ``merge_prefix_chunks`` after ``q, out, lse`` (the attention ops' names).
+MERGE_PREFIX_ATTRIBUTES = (
+    "layer_id", "skip_softmax_prefill_scale_factor", "skip_softmax_decode_scale_factor", "scale", "kv_cache_id",
+)
+
+merge_prefix_chunks = _register(
+    "merge_prefix_chunks",
+    "(Tensor q, Tensor(a!) out, Tensor(b!) lse, int layer_id, float? skip_softmax_prefill_scale_factor=None, "
+    "float? skip_softmax_decode_scale_factor=None, float? scale=None, int kv_cache_id=0) -> ()",
+    _merge_prefix_chunks,
+    _merge_prefix_chunks_fake,
+    _BREAKABLE_TAGS,
 )

@@ -17,7 +17,7 @@ from fullcg.errors import DtypeMismatchError, OverlappingOutputError
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata, ForwardMode
 
-__all__ = ["AttentionCall", "check_tensors", "check_no_overlap", "check_against_context", "kv_rows_needed"]
+__all__ = ["AttentionCall", "check_tensors", "check_no_overlap", "check_against_context", "kv_rows_needed", "layer_cache"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -195,6 +195,12 @@ def check_against_context(call: AttentionCall, ctx: ForwardContext) -> KVCache |
         )
     if not (call.use_kv_cache or call.save_kv_cache):
         return None
+    return layer_cache(call, ctx)
+
+
+def layer_cache(call: AttentionCall, ctx: ForwardContext) -> KVCache:
+    """The step's KV cache for the call's layer, checked to be the calling layer's own and
+    to fit the call (once per step and layer; later calls take the remembered answer)."""
     cache = ctx.kv_caches.get(call.layer_id)
     if cache is not None and call.kv_cache_id and cache.uid == call.kv_cache_id and \
             ctx.memo.get(("cache_ok", call.layer_id)) is cache:

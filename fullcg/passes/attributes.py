@@ -1,7 +1,7 @@
 """Passes that set attributes of attention op nodes, so they are visible in the graph.
 
 - :class:`AttributesPass` writes the configured skip-softmax factors onto every attention
-  node and checks ``key_value_num_tokens`` against the k/v it describes.
+  node (and every ``merge_prefix_chunks`` node, which attends over prefix chunks) and checks ``key_value_num_tokens`` against the k/v it describes.
 - :class:`BreakablePass` points every attention node at the breakable or the
   non-breakable op, which decides where the graph is split: piecewise graphs split at
   breakable ops, a full graph keeps every op inside.
@@ -16,10 +16,13 @@ from fullcg.config import SkipSoftmaxConfig
 from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES
 from fullcg.passes.manager import source_hash
 
-__all__ = ["AttributesPass", "BreakablePass", "attention_nodes", "node_attribute", "set_node_attribute"]
+__all__ = [
+    "AttributesPass", "BreakablePass", "attention_nodes", "is_breakable_target", "node_attribute", "prefix_chunk_nodes",
+    "set_node_attribute",
+]
 
 _OP_KEY = {op: key for key, op in ATTENTION_OPS.items()}  # op -> (breakable, return_lse)
-_FIRST_ATTRIBUTE = 4  # q, k, v, out come first
+_PREFIX_CHUNK_OPS = (torch.ops.fullcg.merge_prefix_chunks.default,)
 
 
 def attention_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -27,13 +30,26 @@ def attention_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target in _OP_KEY]
 
 
+def is_breakable_target(target: object) -> bool:
+    """Whether ``target`` is one of the two breakable attention ops."""
+    key = _OP_KEY.get(target)
+    return key is not None and key[0]
+
+
 def is_breakable(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and _OP_KEY.get(node.target, (False,))[0]
+    return node.op == "call_function" and is_breakable_target(node.target)
+
+
+def _arg_index(node: torch.fx.Node, name: str) -> int:
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            return i
+    raise KeyError(f"{node.target} has no argument {name!r}")
 
 
 def node_attribute(node: torch.fx.Node, name: str) -> object:
-    """The value of attribute ``name`` on an attention node (its default when not passed)."""
-    idx = _FIRST_ATTRIBUTE + ATTRIBUTE_NAMES.index(name)
+    """The value of attribute ``name`` on a fullcg op node (its default when not passed)."""
+    idx = _arg_index(node, name)
     if idx < len(node.args):
         return node.args[idx]
     if name in node.kwargs:
@@ -43,13 +59,18 @@ def node_attribute(node: torch.fx.Node, name: str) -> object:
 
 
 def set_node_attribute(node: torch.fx.Node, name: str, value: object) -> None:
-    idx = _FIRST_ATTRIBUTE + ATTRIBUTE_NAMES.index(name)
+    idx = _arg_index(node, name)
     if idx < len(node.args):
         args = list(node.args)
         args[idx] = value
         node.args = tuple(args)
     else:
         node.kwargs = {**node.kwargs, name: value}
+
+
+def prefix_chunk_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """All calls of ``merge_prefix_chunks`` (attention over the prefix chunks), in graph order."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in _PREFIX_CHUNK_OPS]
 
 
 def _rows(node_or_value: object) -> object:
@@ -64,6 +85,9 @@ class AttributesPass:
         self.skip_softmax = skip_softmax
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in prefix_chunk_nodes(graph):  # attention over prefix chunks: the same factors
+            set_node_attribute(node, "skip_softmax_prefill_scale_factor", self.skip_softmax.prefill_scale_factor)
+            set_node_attribute(node, "skip_softmax_decode_scale_factor", self.skip_softmax.decode_scale_factor)
         for node in attention_nodes(graph):
             set_node_attribute(node, "skip_softmax_prefill_scale_factor", self.skip_softmax.prefill_scale_factor)
             set_node_attribute(node, "skip_softmax_decode_scale_factor", self.skip_softmax.decode_scale_factor)

@@ -2,7 +2,8 @@
 
 Every breakable op (with any ``getitem`` users of its result) becomes a piece of its own,
 run eagerly between the compiled pieces around it; non-breakable ops stay inside pieces.
-``gather_prefix_chunk`` is always a split point: it reads the chunk plan on the host.
+``merge_prefix_chunks`` and ``gather_prefix_chunk`` are always split points: they read the
+step's prefix-chunk plan on the host.
 The split keeps the original node order, so each piece reads like the model's code.
 """
 
@@ -15,18 +16,33 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from fullcg.passes.attributes import attention_nodes, is_breakable, node_attribute
+from fullcg.passes.attributes import attention_nodes, is_breakable_target, node_attribute, prefix_chunk_nodes
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 
-# Ops that always run eagerly between pieces: their implementations read per-step host data.
-_ALWAYS_SPLIT = (torch.ops.fullcg.gather_prefix_chunk, torch.ops.fullcg.gather_prefix_chunk.default)
+__all__ = ["Piece", "SplitGraph", "is_split_target", "reads_host_plan", "split_graph"]
+
+# Ops that always run eagerly between pieces: they loop over the step's prefix-chunk plan
+# on the host, so no CUDA graph can hold them.
+_HOST_PLAN_OPS = (
+    torch.ops.fullcg.gather_prefix_chunk, torch.ops.fullcg.gather_prefix_chunk.default,
+    torch.ops.fullcg.merge_prefix_chunks, torch.ops.fullcg.merge_prefix_chunks.default,
+)
+
+
+def reads_host_plan(target: object) -> bool:
+    """Whether op ``target`` reads the step's prefix-chunk plan on the host (never captured)."""
+    return target in _HOST_PLAN_OPS
+
+
+def is_split_target(target: object) -> bool:
+    """Whether calls of op ``target`` run eagerly between pieces (breakable attention, or an
+    op that reads the step's host data)."""
+    return target in _HOST_PLAN_OPS or is_breakable_target(target)
 
 
 def _is_split_point(node: torch.fx.Node) -> bool:
-    return is_breakable(node) or (node.op == "call_function" and node.target in _ALWAYS_SPLIT)
-
-__all__ = ["Piece", "SplitGraph", "split_graph"]
+    return node.op == "call_function" and is_split_target(node.target)
 
 
 @dataclasses.dataclass
@@ -35,21 +51,25 @@ class Piece:
 
     name: str  # attribute name on the split graph module (``submod_<i>``)
     graph_module: torch.fx.GraphModule
-    breakable: bool  # a split point (breakable attention or a prefix-chunk gather), run eagerly
+    breakable: bool  # a split point (breakable attention or a prefix-chunk op), run eagerly
 
     def attention_summary(self) -> list[str]:
-        """One line per attention node inside: op and attributes."""
-        lines = []
-        for node in attention_nodes(self.graph_module.graph):
-            attrs = ", ".join(
-                f"{name}={node_attribute(node, name)}"
-                for name in (
-                    "layer_id", "key_value_num_tokens", "skip_softmax_prefill_scale_factor",
-                    "skip_softmax_decode_scale_factor", "use_kv_cache", "causal", "prefix_chunk",
-                )
-            )
-            lines.append(f"{node.target}({attrs})")
-        return lines
+        """One line per attention (or prefix-chunk attention) node inside: op and attributes."""
+        graph = self.graph_module.graph
+        named = [(n, _ATTENTION_SUMMARY) for n in attention_nodes(graph)]
+        named += [(n, _PREFIX_CHUNK_SUMMARY) for n in prefix_chunk_nodes(graph)]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        return [
+            f"{node.target}({', '.join(f'{name}={node_attribute(node, name)}' for name in names)})"
+            for node, names in sorted(named, key=lambda item: order[item[0]])
+        ]
+
+
+_ATTENTION_SUMMARY = (
+    "layer_id", "key_value_num_tokens", "skip_softmax_prefill_scale_factor", "skip_softmax_decode_scale_factor",
+    "use_kv_cache", "causal", "prefix_chunk",
+)
+_PREFIX_CHUNK_SUMMARY = ("layer_id", "skip_softmax_prefill_scale_factor", "skip_softmax_decode_scale_factor")
 
 
 @dataclasses.dataclass
