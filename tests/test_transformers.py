@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from hf_models import ARCHITECTURES, build, build_pair, transformers
@@ -140,11 +142,17 @@ def test_a_transformers_cache_is_refused_with_the_fix():
     md = fullcg.AttentionMetadata.build([2], [0], torch.tensor([[0]], dtype=torch.int32), 4)
     with fullcg.forward_context(md, model), torch.no_grad():
         model(torch.tensor([[1, 2]]), use_cache=True)  # the first call has no past: allowed
-        cache = transformers.DynamicCache(config=model.config)
-        model(torch.tensor([[1, 2]]), cache=cache, use_cache=True)
+        cache = {_cache_argument(model): transformers.DynamicCache(config=model.config)}
+        model(torch.tensor([[1, 2]]), use_cache=True, **cache)
         md2 = fullcg.AttentionMetadata.build([1], [2], torch.tensor([[0]], dtype=torch.int32), 4)
         with fullcg.forward_context(md2, model), pytest.raises(ValueError, match="use_cache=False"):
-            model(torch.tensor([[3]]), position_ids=torch.tensor([[2]]), cache=cache, use_cache=True)
+            model(torch.tensor([[3]]), position_ids=torch.tensor([[2]]), use_cache=True, **cache)
+
+
+def _cache_argument(model) -> str:
+    """The name of the forward's cache argument: ``cache`` in newer transformers, ``past_key_values`` before."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def test_padded_batches_are_refused_with_the_fix():
