@@ -29,6 +29,7 @@ from fullcg.config import FullCGConfig, GraphMode
 from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
+from fullcg.eager_capture import EagerCaptureModel
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
 from fullcg.passes.piece_key import piece_key
 from fullcg.passes.split import reads_host_plan
@@ -318,6 +319,11 @@ class Backend:
                 "choose CUDA-graph behaviour with options={'graph_mode': ...}"
             )
         config = self.config.replace(**_checked_options(options)) if options else self.config
+        if config.compiler == "none":
+            raise InvalidConfigError(
+                "compiler='none' runs the model without torch.compile, so the fullcg compile backend cannot take it: "
+                "use fullcg.compile(model, compiler=\"none\") instead of torch.compile(model, backend=...)"
+            )
         runner = compile_graph(gm, example_inputs, config)
         self.runners.append(runner)
         return runner
@@ -347,6 +353,16 @@ class CompiledModel:
         self.backend = backend
         self._compiled = torch.compile(model, backend=backend)
 
+    @property
+    def config(self) -> FullCGConfig:
+        """The config every step runs under (the backend's)."""
+        return self.backend.config
+
+    @property
+    def runners(self) -> list[StepRunner]:
+        """One runner per graph compiled so far (each has a ``report``)."""
+        return self.backend.runners
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() >= 1:
@@ -357,12 +373,22 @@ class CompiledModel:
         return f"fullcg.compile({type(self.model).__name__}, graph_mode={self.backend.config.graph_mode})"
 
 
-def compile(model: torch.nn.Module, config: FullCGConfig | None = None, **options: Any) -> CompiledModel:
+def compile(
+    model: torch.nn.Module, config: FullCGConfig | None = None, **options: Any
+) -> CompiledModel | EagerCaptureModel:
     """``torch.compile(model, backend=fullcg.Backend(config, **options))`` with the token
     dimension (dimension 0 of every tensor argument) dynamic from the first step.
 
     Plain ``torch.compile(model, backend="fullcg")`` works too; then Dynamo specialises the
     first step's token count and compiles again at the second (or the caller marks
     dimension 0 dynamic with ``torch._dynamo.mark_dynamic``).
+
+    With ``compiler="none"`` (an option, the config's field or ``FULLCG_COMPILER``) nothing
+    is compiled: the model runs eagerly, with the same graph modes, padding and counters,
+    and is captured as it runs (:class:`fullcg.eager_capture.EagerCaptureModel`).
     """
-    return CompiledModel(model, Backend(config, **options))
+    base = config if config is not None else FullCGConfig.from_env()
+    config = base.replace(**_checked_options(options)) if options else base
+    if config.compiler == "none":
+        return EagerCaptureModel(model, config)
+    return CompiledModel(model, Backend(config))

@@ -77,7 +77,9 @@ class GraphMode(str, enum.Enum):
 
 
 GRAPH_MODES = tuple(m.value for m in GraphMode)
-COMPILERS = ("inductor", "eager")
+#: ``none`` runs no ``torch.compile`` at all: only :func:`fullcg.compile` offers it
+#: (:mod:`fullcg.eager_capture`); the compile backend refuses it.
+COMPILERS = ("inductor", "eager", "none")
 
 #: Names accepted for ``FullCGConfig.attention_impl``; more can be registered at run time
 #: with :func:`fullcg.ops.impl.register_implementation`.
@@ -207,7 +209,9 @@ class FullCGConfig:
         skip_softmax: skip-softmax factors and tile sizes.
         graph_mode: a :class:`GraphMode` (or its name); on CPU every mode runs without capture.
         compiler: ``"inductor"`` compiles each piece; ``"eager"`` runs pieces as traced
-            (fast start, for debugging).
+            (fast start, for debugging); ``"none"`` runs no Dynamo and no Inductor: the
+            model runs eagerly and is captured as it runs (``fullcg.compile`` only, see
+            :mod:`fullcg.eager_capture`).
         capture_sizes: token counts to capture graphs for; batches are padded up to the
             next one. None = :func:`default_capture_sizes` up to ``max_capture_size``.
         max_capture_size: largest default capture size; larger batches run uncaptured.
