@@ -11,7 +11,6 @@ import time
 import torch
 
 import fullcg
-from fullcg.backend import Backend
 from fullcg.config import COMPILERS, GRAPH_MODES
 from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
@@ -41,8 +40,7 @@ def demo(args: argparse.Namespace) -> int:
     compiled_model = copy.deepcopy(eager)
     for m in (eager, compiled_model):
         m.allocate_kv_cache(num_pages=64, page_size=4)
-    backend = Backend(config)
-    compiled = torch.compile(compiled_model, backend=backend)
+    compiled = fullcg.compile(compiled_model, config)
 
     print(f"fullcg demo: tiny Llama ({model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}) on {device}, "
           f"graph_mode={config.graph_mode}, compiler={config.compiler}, attention_impl={config.attention_impl}, "
@@ -80,12 +78,12 @@ def demo(args: argparse.Namespace) -> int:
     kind = "relative" if device.type == "cuda" else "absolute"
     print(f"largest {kind} logit difference over all steps: {worst:.2e} (tolerance {tolerance:g}) -> "
           f"{'OK' if ok else 'MISMATCH'}")
-    print(f"steps by graph variant: {dict(sorted(counts.items()))}; compiled graphs: {len(backend.runners)}; "
+    runners = compiled.runners
+    print(f"steps by graph variant: {dict(sorted(counts.items()))}; step runners: {len(runners)}; "
           f"wall time {elapsed:.1f} s (includes compilation)")
-    if backend.runners:
-        # With the chunked-prefix pattern Dynamo traces one graph per number of prefix chunks.
-        print(f"split report of the last of {len(backend.runners)} compiled graph(s):")
-        print("\n".join("  " + line for line in backend.runners[-1].report.splitlines() if line))
+    if runners and runners[-1].report:
+        print(f"split report of the last of {len(runners)} compiled graph(s):")
+        print("\n".join("  " + line for line in runners[-1].report.splitlines() if line))
     return 0 if ok else 1
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch.fx
 
 from fullcg.config import FullCGConfig, GraphMode
+from fullcg.passes.attributes import prefix_chunk_nodes
 from fullcg.passes.split import SplitGraph
 
 __all__ = ["GraphDump", "split_report", "decompiled_caller_source", "prepare_debug"]
@@ -105,6 +106,8 @@ def split_report(
             if not piece.breakable:
                 kind = f"compiled piece, same compilation as {shared_with[piece.name]}" if piece.name in shared_with \
                     else "compiled piece"
+            elif prefix_chunk_nodes(piece.graph_module.graph):
+                kind = "prefix-chunk attention and merge (eager, split point)"
             elif piece.attention_summary():
                 kind = "breakable attention (eager, split point)"
             else:

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -252,9 +253,7 @@ class BatchScheduler:
             self.ownership.check(md, [self._ids[id(req)] for req, _ in plan])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        # The token count changes every step: tell Dynamo up front, so one graph serves all.
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
+        mark_token_dim(input_ids, positions)
         return Step(input_ids, positions, md, [req for req, _ in plan], rows)
 
     def advance(self, step: Step, tokens: Sequence[int | None]) -> list[Request]:
@@ -370,9 +369,22 @@ def _compiled_step(model: nn.Module, config: fullcg.FullCGConfig) -> tuple[nn.Mo
     if config in cache:
         return (*cache[config], False)
     module = _step_module(model)
-    compiled = torch.compile(module, backend=fullcg.Backend(config))
+    compiled = fullcg.compile(module, config)
     cache[config] = (module, compiled)
     return module, compiled, True
+
+
+def mark_token_dim(*tensors: torch.Tensor) -> None:
+    """Tell Dynamo that dimension 0 (tokens) changes every step, so one graph serves all.
+
+    For models compiled with plain ``torch.compile`` (``fullcg.compile`` marks it itself).
+    Nothing to tell when Dynamo was never imported (eager models, ``compiler="none"``), and
+    importing it for this would cost seconds of startup.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        for t in tensors:
+            dynamo.mark_dynamic(t, 0)
 
 
 class _Progress:
@@ -435,8 +447,9 @@ def generate(
         max_num_tokens: token budget of one step (chunked prefill fills what decodes leave).
         max_num_seqs: most requests in flight at once.
         prefill_chunk: most prompt tokens one request feeds in a step (None: the budget).
-        compile: run the model through ``torch.compile(backend=fullcg.Backend(config))``
-            (compiled once per model and config, and reused); on a GPU, CUDA graphs for
+        compile: run the model through ``fullcg.compile(model, config)`` (compiled once
+            per model and config, and reused; ``compiler="none"`` in the config runs it
+            eagerly, captured without a compiler); on a GPU, CUDA graphs for
             every capture size are captured before the first step.
         config: the fullcg config (graph mode, compiler, attention implementation);
             default :meth:`fullcg.FullCGConfig.from_env`.
@@ -497,6 +510,5 @@ def _capture_up_front(run: Callable[..., Any], module: nn.Module, page_size: int
     md = fullcg.AttentionMetadata.build([1], [0], table, page_size, device=device)
     ids = torch.zeros(1, dtype=torch.long, device=device)
     pos = torch.zeros(1, dtype=torch.long, device=device)
-    torch._dynamo.mark_dynamic(ids, 0)
-    torch._dynamo.mark_dynamic(pos, 0)
+    mark_token_dim(ids, pos)
     fullcg.capture(run, md, module, ids, pos)
