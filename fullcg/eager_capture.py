@@ -227,7 +227,19 @@ def _copy_fresh(bridge: Any, result: Any) -> None:
                 _copy_fresh(b, r)
 
 
-class _Splitter(TorchDispatchMode):
+class _NoDynamoMode(TorchDispatchMode):
+    """A dispatch mode whose ``__torch_dispatch__`` torch does not wrap in a Dynamo disable.
+
+    torch wraps it by default, and the wrapper imports Dynamo on its first call: over a
+    second of startup for a path that runs no Dynamo at all.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class _Splitter(_NoDynamoMode):
     """Active while a size is captured: ends the segment at every split op, runs the op
     eagerly outside any capture, records it, and begins the next segment."""
 
@@ -374,7 +386,7 @@ class _ModelCall:
         return self.model(*args[:p], **dict(zip(self.kwarg_names, args[p:])))
 
 
-class _PlanWatch(TorchDispatchMode):
+class _PlanWatch(_NoDynamoMode):
     """Notes which ops that read the prefix-chunk plan on the host a run calls."""
 
     def __init__(self) -> None:
