@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,9 +33,12 @@ class ForwardMode(enum.Enum):
         return self is ForwardMode.DECODE
 
 
+_INT = {int}
+
+
 def _as_int_tuple(values: Sequence[int] | torch.Tensor, name: str) -> tuple[int, ...]:
     out = tuple(values.tolist() if isinstance(values, torch.Tensor) else values)
-    if not all(type(x) is int for x in out):  # exact type: one C-level test per entry, and no bools
+    if not {*map(type, out)} <= _INT:  # exact type, tested in C (no bools)
         bad = next(x for x in out if type(x) is not int)
         if not isinstance(bad, int) or isinstance(bad, bool):
             raise TypeError(f"{name} must hold integers, got {bad!r}")
@@ -84,6 +87,33 @@ def _modes(
                 f"got {q} new tokens on a prefix of {p}"
             )
     return modes
+
+
+_MODE_OF_CODE = (ForwardMode.PREFILL, ForwardMode.DECODE, ForwardMode.EXTEND)
+
+
+def _modes_and_flags(
+    forward_modes: Sequence[ForwardMode | str] | None,
+    q_lens: tuple[int, ...],
+    p_lens: tuple[int, ...],
+    q: np.ndarray,
+    p: np.ndarray,
+    decode_only: bool,
+) -> tuple[tuple[ForwardMode, ...], np.ndarray]:
+    """:func:`_modes`, and which requests decode (``bool [R]``), without a Python step per request
+    when the modes are derived or given as derived (other given modes are checked one by one)."""
+    if decode_only:
+        derived = (ForwardMode.DECODE,) * len(q_lens)
+        flags = np.ones(len(q_lens), dtype=np.bool_)
+    else:
+        has_prefix = p > 0
+        flags = has_prefix & (q == 1)
+        code = has_prefix.astype(np.int8) + (has_prefix ^ flags)  # 0 prefill, 1 decode, 2 extend
+        derived = tuple(map(_MODE_OF_CODE.__getitem__, code.tolist()))
+    if forward_modes is None or (isinstance(forward_modes, (tuple, list)) and tuple(forward_modes) == derived):
+        return derived, flags
+    modes = _modes(forward_modes, q_lens, p_lens)
+    return modes, np.array([m is ForwardMode.DECODE for m in modes], dtype=np.bool_)
 
 
 def _used_pages(pt: np.ndarray, seq: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -139,7 +169,100 @@ def _check_no_shared_writes(
     )
 
 
-def _check_positions(positions: Sequence[int] | torch.Tensor, expected: np.ndarray, req_idx: np.ndarray) -> None:
+# The page checks' fast path marks written pages in an array indexed by page id: a fresh
+# bool array for ids below _DENSE_PAGES (zeroing and counting it is cheap), else a
+# per-thread int32 scratch kept all zeros between calls, for ids below _SCRATCH_PAGES
+# (16 MiB). Larger ids, or too many entries for int32 entry numbers, take the exact checks.
+_DENSE_PAGES = 1 << 15
+_SCRATCH_PAGES = 1 << 22
+_MAX_ENTRIES = np.iinfo(np.int32).max
+_scratch = threading.local()  # per thread: two threads may build metadata at once
+
+
+def _check_pages(
+    pt: np.ndarray,
+    seq: np.ndarray,
+    page_size: int,
+    query_lens: np.ndarray,
+    num_pages: int | None,
+    entries: np.ndarray | None,
+    written: np.ndarray | None,
+) -> int:
+    """Check the pages a batch reads and writes; returns a bound on the page ids it uses.
+
+    ``pt`` is the page table cut to the columns some request uses (C-contiguous intp);
+    ``entries`` is, per new token, the flat index into ``pt`` of the entry it is written
+    through and ``written`` that entry's page (both None: the batch writes nothing).
+
+    One gather over the table settles the common case (all valid); anything else goes
+    to the exact checks, which find the first offence and raise its message.
+    """
+    # Negative ids read as huge unsigned ones, so one max bounds the table on both sides.
+    hi = int(pt.view(np.uint64 if pt.itemsize == 8 else np.uint32).max())
+    if hi >= min(num_pages or _SCRATCH_PAGES, _SCRATCH_PAGES) or pt.size >= _MAX_ENTRIES:
+        return _check_pages_exactly(pt, seq, page_size, query_lens, num_pages, written)
+    if written is None:
+        return hi
+    if hi < _DENSE_PAGES:
+        # Each written page is used at least once, by its writer; so the used entries that
+        # hold a written page are exactly as many as the written pages iff none is used
+        # twice (by another row, by its own row again, or by two writers).
+        marks = np.zeros(hi + 1, dtype=np.bool_)
+        marks[written] = True
+        ok = _used_hits(marks.take(pt), np.count_nonzero(marks), seq, page_size)
+    else:
+        # owner[page] = 1 + the entry written through it. Of two entries writing one page,
+        # one is left disowned; past that, the used entries that hold a written page are
+        # exactly the written entries iff no other entry uses one. (A leftover in the
+        # scratch could only send a valid batch to the exact checks.)
+        owner = getattr(_scratch, "owner", None)
+        if owner is None or owner.size <= hi:  # grown by doubling: page ids creep up step by step
+            size = max(hi + 1, 2 * (0 if owner is None else owner.size))
+            owner = _scratch.owner = np.zeros(min(size, _SCRATCH_PAGES), dtype=np.int32)
+        ids = np.add(entries, 1, dtype=np.int32, casting="unsafe")  # fits: pt.size < _MAX_ENTRIES
+        # Tokens are in request order, so a request's tokens on one entry are adjacent.
+        num_entries = ids.size if ids.size == pt.shape[0] else 1 + np.count_nonzero(ids[1:] != ids[:-1])
+        owner[written] = ids
+        try:
+            ok = not np.count_nonzero(owner.take(written) != ids)  # no page has two writers
+            ok = ok and _used_hits(owner.take(pt), num_entries, seq, page_size)
+        finally:
+            owner[written] = 0
+    if not ok:
+        _check_pages_exactly(pt, seq, page_size, query_lens, num_pages, written)
+    return hi
+
+
+def _used_hits(hits: np.ndarray, expected: int, seq: np.ndarray, page_size: int) -> bool:
+    """Whether the used entries of ``hits`` (a table's worth) hold ``expected`` nonzeros.
+
+    The whole table is counted first: unused columns rarely hold a written page.
+    """
+    if np.count_nonzero(hits) == expected:
+        return True
+    hits *= np.arange(hits.shape[1]) < ((seq + (page_size - 1)) // page_size)[:, None]
+    return np.count_nonzero(hits) == expected
+
+
+def _check_pages_exactly(
+    pt: np.ndarray,
+    seq: np.ndarray,
+    page_size: int,
+    query_lens: np.ndarray,
+    num_pages: int | None,
+    written: np.ndarray | None,
+) -> int:
+    """The page checks on the used entries alone: raise for the first offence (in row-major
+    order, as the messages name it); the largest used page id."""
+    pt, used, used_mask = _used_pages(pt, seq, page_size)
+    max_page = _check_page_range(pt, used, used_mask, num_pages)
+    if written is not None:
+        req_idx = np.repeat(np.arange(query_lens.size), query_lens)
+        _check_no_shared_writes(used, used_mask, written, req_idx, max_page)
+    return max_page
+
+
+def _check_positions(positions: Sequence[int] | torch.Tensor, expected: np.ndarray, query_lens: np.ndarray) -> None:
     given = positions.cpu().numpy() if isinstance(positions, torch.Tensor) else np.asarray(positions)
     n = expected.shape[0]
     if given.ndim != 1 or given.shape[0] < n:
@@ -147,7 +270,7 @@ def _check_positions(positions: Sequence[int] | torch.Tensor, expected: np.ndarr
     wrong = given[:n] != expected
     if wrong.any():
         i = int(np.flatnonzero(wrong)[0])
-        r = int(req_idx[i])
+        r = int(np.searchsorted(np.cumsum(query_lens), i, side="right"))
         raise InvalidBatchError(
             f"token {i} (request {r}) is at position {int(given[i])} but the metadata puts it at {int(expected[i])}: "
             f"a new token's position is its request's prefix length plus its index among the request's new tokens "
@@ -157,21 +280,24 @@ def _check_positions(positions: Sequence[int] | torch.Tensor, expected: np.ndarr
 
 def _prefix_chunks(p: np.ndarray, prefix_chunk_tokens: int, dev: torch.device) -> tuple[PrefixChunk, ...]:
     """Split the gather capacity evenly over requests that have a prefix (one host array for all chunks)."""
-    with_prefix = int((p > 0).sum())
+    with_prefix = np.count_nonzero(p)  # prefixes are >= 0
     if not with_prefix:
         return ()
     per_req = max(1, prefix_chunk_tokens // with_prefix)
     num_chunks = -(-int(p.max()) // per_req)
-    firsts = np.arange(num_chunks)[:, None] * per_req
-    lens = np.clip(p[None, :] - firsts, 0, per_req)
+    lens = np.subtract(p, np.arange(0, num_chunks * per_req, per_req)[:, None])
+    np.maximum(lens, 0, out=lens)  # two ufuncs: np.clip costs more per call than it does here
+    np.minimum(lens, per_req, out=lens)
     offsets = np.zeros((num_chunks, p.shape[0] + 1), dtype=np.int64)
     np.cumsum(lens, axis=1, out=offsets[:, 1:])
     # One copy to the device for every chunk; unbind makes the per-chunk views in one call.
     kv_start = torch.from_numpy(offsets.astype(np.int32)).to(dev).unbind(0)
-    lens_t, offsets_t = lens.tolist(), offsets.tolist()
+    num_reqs = p.shape[0]
     return tuple(
-        PrefixChunk((c * per_req,) * p.shape[0], tuple(lens_t[c]), tuple(offsets_t[c]), kv_start[c])
-        for c in range(num_chunks)
+        PrefixChunk((c * per_req,) * num_reqs, lens_c, offsets_c, kv_c)
+        for c, lens_c, offsets_c, kv_c in zip(
+            range(num_chunks), map(tuple, lens.tolist()), map(tuple, offsets.tolist()), kv_start
+        )
     )
 
 
@@ -252,11 +378,11 @@ class AttentionMetadata:
             raise InvalidBatchError(
                 f"query_lens and prefix_lens must have one entry per request, got {num_reqs} and {len(p_lens)}"
             )
-        q = np.asarray(q_lens, dtype=np.int64)
-        p = np.asarray(p_lens, dtype=np.int64)
-        if (q <= 0).any():
+        q = np.array(q_lens, dtype=np.int64)
+        p = np.array(p_lens, dtype=np.int64)
+        if q.min() <= 0:
             raise InvalidBatchError(f"every request needs at least one new token, got query_lens={list(q_lens)}")
-        if (p < 0).any():
+        if p.min() < 0:
             raise InvalidBatchError(f"prefix_lens must be >= 0, got {list(p_lens)}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidBatchError(f"page_size must be a positive integer, got {page_size!r}")
@@ -264,7 +390,9 @@ class AttentionMetadata:
             raise InvalidBatchError(f"prefix_chunk_tokens must be a positive integer, got {prefix_chunk_tokens!r}")
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0):
             raise InvalidBatchError(f"num_pages must be the KV cache's page count (a positive integer), got {num_pages!r}")
-        modes = _modes(forward_modes, q_lens, p_lens)
+        num_tokens = sum(q_lens)
+        decode_only = num_tokens == num_reqs and p.min() > 0  # every request one new token on a prefix
+        modes, is_decode = _modes_and_flags(forward_modes, q_lens, p_lens, q, p, decode_only)
 
         if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
             raise InvalidBatchError("page_table must be a 2-D integer tensor [num_requests, max_pages]")
@@ -287,26 +415,35 @@ class AttentionMetadata:
                 f"request {r} needs {longest} KV slots but page_table has room for {capacity} "
                 f"({page_table.shape[1]} pages of {page_size}); add pages"
             )
-        pt, used, used_mask = _used_pages(page_table.cpu().numpy(), seq, page_size)
-        max_page = _check_page_range(pt, used, used_mask, num_pages)
+        # Only the columns some request uses matter; the checks and lookups read just those,
+        # as intp (numpy's index type: lookups through the table convert nothing).
+        width = -(-longest // page_size)
+        pt = np.ascontiguousarray(page_table.cpu().numpy()[:, :width], dtype=np.intp)
 
         # Slot of each new token: its absolute position looked up through the page table.
-        num_tokens = int(q.sum())
-        req_idx = np.repeat(np.arange(num_reqs), q)
-        starts = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q, out=starts[1:])
-        pos = np.arange(num_tokens) - starts[req_idx] + p[req_idx]
-        written = pt[req_idx, pos // page_size]
-        if _writes:
-            slots = written * page_size + pos % page_size
-            _check_no_shared_writes(used, used_mask, written, req_idx, max_page)
+        row_base = np.arange(0, num_reqs * width, width)
+        if decode_only:
+            starts = np.arange(num_reqs + 1)
+            pos = p
         else:
+            starts = np.zeros(num_reqs + 1, dtype=np.int64)
+            np.cumsum(q, out=starts[1:])
+            pos = np.arange(num_tokens) + np.repeat(p - starts[:-1], q)
+            row_base = np.repeat(row_base, q)
+        if _writes:
+            col, offset = np.divmod(pos, page_size)
+            entries = row_base + col  # flat index into pt of the entry each token is written through
+            written = pt.take(entries)
+            max_page = _check_pages(pt, seq, page_size, q, num_pages, entries, written)
+            slots = np.multiply(written, page_size, dtype=np.int64)
+            slots += offset
+        else:
+            max_page = _check_pages(pt, seq, page_size, q, num_pages, None, None)
             slots = np.full(num_tokens, -1, dtype=np.int64)
         if positions is not None:
-            _check_positions(positions, pos, req_idx)
+            _check_positions(positions, pos, q)
 
         chunks = _prefix_chunks(p, prefix_chunk_tokens, dev)
-        on = (lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype))
         md = object.__new__(cls)  # skips __post_init__: everything it checks was checked above
         md.__dict__.update(
             query_lens=q_lens,
@@ -314,12 +451,12 @@ class AttentionMetadata:
             forward_modes=modes,
             page_size=page_size,
             page_table=page_table.to(device=dev, dtype=torch.int32),
-            slot_mapping=on(slots, torch.int64),
-            query_start_loc=on(starts, torch.int32),
-            seq_lens=on(seq, torch.int32),
-            prefix_lens_tensor=on(p, torch.int32),
-            is_decode=torch.tensor([m is ForwardMode.DECODE for m in modes], dtype=torch.bool, device=dev),
-            num_tokens_tensor=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq.astype(np.int32)).to(dev),
+            prefix_lens_tensor=torch.from_numpy(p.astype(np.int32)).to(dev),
+            is_decode=torch.from_numpy(is_decode).to(dev),
+            num_tokens_tensor=torch.from_numpy(np.array([num_tokens], dtype=np.int32)).to(dev),
             prefix_chunk_tokens=prefix_chunk_tokens,
             prefix_chunks=chunks,
             _max_page=max_page,
@@ -387,8 +524,11 @@ class AttentionMetadata:
         if max_page is None:
             max_page = self._reverify(num_pages)
         if max_page >= num_pages:
+            # _max_page bounds the table's first columns, padding included: look at the used
+            # entries alone (raises if one is out of range) and keep their exact largest id.
             seq = np.add(self.query_lens, self.prefix_lens)
-            _check_page_range(*_used_pages(self.page_table.cpu().numpy(), seq, self.page_size), num_pages)
+            max_page = _check_page_range(*_used_pages(self.page_table.cpu().numpy(), seq, self.page_size), num_pages)
+            object.__setattr__(self, "_max_page", max_page)
         return self
 
     def _reverify(self, num_pages: int) -> int:

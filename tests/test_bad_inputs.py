@@ -300,3 +300,36 @@ def test_q_and_kv_cache_dtypes_must_match(q_dtype, cache_dtype):
             layer(q, q, q)
     assert _first_line(e).startswith(f"fullcg.attention (layer 0): q is {q_dtype} but the KV cache is {cache_dtype}")
     assert torch.equal(cache.k, before)
+
+
+
+def _decodes(table, prefix=5, **kwargs):
+    """A decode step for every row of ``table`` (int32), each on a prefix of ``prefix`` tokens."""
+    table = torch.tensor(table, dtype=torch.int32)
+    return fullcg.AttentionMetadata.build([1] * table.shape[0], [prefix] * table.shape[0], table, PAGE, **kwargs)
+
+
+@pytest.mark.parametrize("base", [0, 100_000, 50_000_000], ids=["small-ids", "spread-ids", "huge-ids"])
+def test_written_pages_are_checked_alike_whatever_the_page_ids(base):
+    # Ids of a small cache, spread over a large one, or past any lookup array: same verdicts.
+    a, b, c, d, e = (base + i for i in range(5))
+    md = _decodes([[a, b], [c, d], [a, e]])  # page a is read by two rows and written by none
+    assert md.slot_mapping.tolist() == [b * PAGE + 1, d * PAGE + 1, e * PAGE + 1]
+    with pytest.raises(errors.PageConflictError, match=rf"^page {b} is written by request 0 but used by requests \[0, 2\]"):
+        _decodes([[a, b], [c, d], [e, b]])  # two rows write page b
+    with pytest.raises(errors.PageConflictError, match=rf"^page {b} is written by request 0 but used by requests \[0, 1\]"):
+        _decodes([[a, b], [b, d], [c, e]])  # row 1 reads the page row 0 writes
+
+
+def test_a_written_page_repeated_in_padding_is_fine_but_a_reader_of_it_is_not():
+    md = _decodes([[3, 0, 9], [1, 2, 0]], prefix=4)  # row 1's unused last column repeats page 0
+    assert md.slot_mapping.tolist() == [0 * PAGE, 2 * PAGE]  # position 4: column 1, offset 0
+    with pytest.raises(errors.PageConflictError, match=r"^page 0 is written by request 0 but used by requests \[0, 1\]"):
+        _decodes([[3, 0, 9], [0, 2, 0]], prefix=4)
+
+
+def test_negative_padding_is_fine_and_the_range_check_still_names_the_entry():
+    md = _decodes([[2, 3, -1], [4, 5, -1]], num_pages=8)
+    assert md.slot_mapping.tolist() == [3 * PAGE + 1, 5 * PAGE + 1]
+    with pytest.raises(errors.PageOutOfRangeError, match=r"^request 1 reads or writes page 9 \(page_table\[1, 1\]\)"):
+        _decodes([[2, 3, -1], [4, 9, -1]], num_pages=8)
