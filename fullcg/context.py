@@ -104,7 +104,7 @@ class _ThreadState(threading.local):
         if self.stack:
             ctx = self.stack[-1]
             self.breakable = ctx.breakable
-            self.num_prefix_chunks = len(ctx.metadata.prefix_chunks)
+            self.num_prefix_chunks = ctx.metadata.num_prefix_chunks
             self.prefix_chunk_tokens = ctx.metadata.prefix_chunk_tokens
             self.prefill_factor = ctx.config.skip_softmax.prefill_scale_factor
             self.decode_factor = ctx.config.skip_softmax.decode_scale_factor

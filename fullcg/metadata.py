@@ -278,13 +278,21 @@ def _check_positions(positions: Sequence[int] | torch.Tensor, expected: np.ndarr
         )
 
 
-def _prefix_chunks(p: np.ndarray, prefix_chunk_tokens: int, dev: torch.device) -> tuple[PrefixChunk, ...]:
-    """Split the gather capacity evenly over requests that have a prefix (one host array for all chunks)."""
-    with_prefix = np.count_nonzero(p)  # prefixes are >= 0
+def _chunk_shape(p: np.ndarray, prefix_chunk_tokens: int) -> tuple[int, int]:
+    """(chunks, prefix positions per request in one chunk): the gather capacity split evenly
+    over the requests that have a prefix."""
+    with_prefix = int(np.count_nonzero(p))  # prefixes are >= 0; plain ints: Dynamo reads the count
     if not with_prefix:
-        return ()
+        return 0, 0
     per_req = max(1, prefix_chunk_tokens // with_prefix)
-    num_chunks = -(-int(p.max()) // per_req)
+    return -(-int(p.max()) // per_req), per_req
+
+
+def _prefix_chunks(p: np.ndarray, prefix_chunk_tokens: int, dev: torch.device) -> tuple[PrefixChunk, ...]:
+    """The chunk plan (one host array for all chunks, one copy to the device)."""
+    num_chunks, per_req = _chunk_shape(p, prefix_chunk_tokens)
+    if not num_chunks:
+        return ()
     lens = np.subtract(p, np.arange(0, num_chunks * per_req, per_req)[:, None])
     np.maximum(lens, 0, out=lens)  # two ufuncs: np.clip costs more per call than it does here
     np.minimum(lens, per_req, out=lens)
@@ -323,7 +331,9 @@ class AttentionMetadata:
         num_tokens_tensor: ``int32 [1]``: real (unpadded) new tokens, for kernels that must
             not read the count on the host (CUDA graphs replay with other counts).
         prefix_chunk_tokens: capacity of one gathered prefix chunk (all requests together).
-        prefix_chunks: the chunk plan for the chunked-prefix pattern.
+        prefix_chunks: the chunk plan for the chunked-prefix pattern (made on first use;
+            chunk attention runs eagerly between pieces, never inside a captured graph,
+            so its one copy to the device never happens during a capture).
     """
 
     query_lens: tuple[int, ...]
@@ -443,7 +453,6 @@ class AttentionMetadata:
         if positions is not None:
             _check_positions(positions, pos, q)
 
-        chunks = _prefix_chunks(p, prefix_chunk_tokens, dev)
         md = object.__new__(cls)  # skips __post_init__: everything it checks was checked above
         md.__dict__.update(
             query_lens=q_lens,
@@ -458,10 +467,29 @@ class AttentionMetadata:
             is_decode=torch.from_numpy(is_decode).to(dev),
             num_tokens_tensor=torch.from_numpy(np.array([num_tokens], dtype=np.int32)).to(dev),
             prefix_chunk_tokens=prefix_chunk_tokens,
-            prefix_chunks=chunks,
+            # prefix_chunks is made on first use (see __getattr__): most models never read
+            # it, and it is the largest part of build's cost. Its size is known now.
+            num_prefix_chunks=_chunk_shape(p, prefix_chunk_tokens)[0],
+            _chunk_plan_inputs=(p, dev),
             _max_page=max_page,
         )
         return md
+
+    def __getattr__(self, name: str) -> object:
+        # Called only for attributes not in the instance: prefix_chunks before its first use.
+        if name == "prefix_chunks":
+            inputs = self.__dict__.get("_chunk_plan_inputs")
+            if inputs is not None:
+                chunks = _prefix_chunks(inputs[0], self.prefix_chunk_tokens, inputs[1])
+                self.__dict__["prefix_chunks"] = chunks
+                return chunks
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @functools.cached_property
+    def num_prefix_chunks(self) -> int:
+        """How many chunks the chunked-prefix pattern walks (``len(prefix_chunks)``, known
+        without making the plan)."""
+        return len(self.prefix_chunks)
 
     @classmethod
     def stand_in(

@@ -299,7 +299,7 @@ def _merge_prefix_chunks(
     _check_merge_prefix(q, out, lse, layer_id)
     ctx = get_forward_context()
     md = ctx.metadata
-    if not md.prefix_chunks:
+    if not md.num_prefix_chunks:
         return
     where = f"fullcg.merge_prefix_chunks (layer {layer_id})"
     if q.shape[0] < md.num_tokens:
