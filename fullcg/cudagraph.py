@@ -13,7 +13,8 @@ memory pool.
   so it reads per-step metadata from :class:`StaticMetadata` buffers that are refilled
   before each replay (and the implementation's ``plan`` runs first, outside capture).
 
-Outputs are views of static buffers: valid until the next step of the same size.
+Outputs are views of static buffers: valid until the next step (all sizes share one
+memory pool, so a step of another size may reuse an output's memory as scratch).
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def capture_graph(
     if before_capture is not None:
         before_capture()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # Thread-local: another thread's CUDA calls (a second model stepped beside this one)
+    # must not invalidate this capture.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = fn(*args)
     return Captured(graph, output, _tensor_ptrs(args))
 

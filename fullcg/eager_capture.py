@@ -50,6 +50,8 @@ __all__ = ["Graphs", "CudaGraphs", "SegmentedGraph", "EagerCaptureModel", "launc
 
 logger = logging.getLogger(__name__)
 _warned_cpu = False
+#: Runners (graph sets) one model may have, as Dynamo's recompile limit bounds its graphs.
+_MAX_RUNNERS = 8
 
 _aten = torch.ops.aten
 # Ops that allocate and launch no kernel; with views, they are all a segment may hold and
@@ -91,7 +93,9 @@ class Graphs(Protocol):
     def end(self, handle: Any, launched: bool) -> Any:
         """End capturing and run the segment once (capture computes nothing, and the op
         after the segment reads its results); returns the graph to replay, or None when
-        ``launched`` is False: the segment only allocated and made views."""
+        the primitive knows the segment holds no work (``launched`` is False when no op
+        torch dispatched launched a kernel: only a hint, kernels launched around the
+        dispatcher are not seen)."""
 
     def abort(self, handle: Any) -> None:
         """End a capture that failed; nothing of it is kept."""
@@ -112,7 +116,6 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device)  # CUDA graphs cannot be captured on the default stream
         self._capturing: contextlib.ExitStack | None = None
-        self._empty: list[torch.cuda.CUDAGraph] = []  # kept: their pool memory backs live tensors
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -124,25 +127,26 @@ class CudaGraphs:
         self._capturing.enter_context(torch.cuda.device(self.device))
         self._capturing.enter_context(torch.cuda.stream(self._stream))
         try:
-            graph.capture_begin(pool=self.pool)
+            # Thread-local: another thread's CUDA calls (a second model stepped beside this
+            # one) must not invalidate this capture.
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         except BaseException:
             self._leave_stream()
             raise
         return graph
 
-    def end(self, graph: torch.cuda.CUDAGraph, launched: bool) -> torch.cuda.CUDAGraph | None:
+    def end(self, graph: torch.cuda.CUDAGraph, launched: bool) -> torch.cuda.CUDAGraph:
+        # Kept and replayed even when no dispatched op launched a kernel: kernels that
+        # bypass torch's dispatcher (a raw Triton launch) are invisible to `launched`, and
+        # an empty graph's replay costs microseconds. `launched` only silences torch's
+        # warning about an empty capture where one is expected.
         try:
-            if launched:
+            with warnings.catch_warnings():
+                if not launched:
+                    warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
                 graph.capture_end()
-            else:
-                with warnings.catch_warnings():  # torch warns that the graph is empty: it is meant to be
-                    warnings.simplefilter("ignore")
-                    graph.capture_end()
         finally:
             self._leave_stream()
-        if not launched:
-            self._empty.append(graph)
-            return None
         graph.replay()
         return graph
 
@@ -359,8 +363,9 @@ class SegmentedGraph:
 class _ModelCall:
     """The model called eagerly with the runner's flat arguments (keyword arguments last).
 
-    Its first call runs every attention op's shape and attribute checks, which compiled
-    steps skip because tracing ran them once (the fake kernels); later calls skip them too.
+    Its first call, and every uncaptured call, runs every attention op's shape and
+    attribute checks, which compiled steps skip because tracing ran them once (the fake
+    kernels); a captured size's later steps replay and never run the model's Python.
     """
 
     def __init__(self, model: torch.nn.Module, num_positional: int, kwarg_names: tuple[str, ...]) -> None:
@@ -370,9 +375,12 @@ class _ModelCall:
         self._checked = False
 
     def __call__(self, *args: Any) -> Any:
-        if self._checked:
-            return self._call(args)
         ctx = get_forward_context()
+        # A captured size runs the model's Python once (its shapes are then fixed); an
+        # uncaptured step runs it on new shapes every time, with nothing traced to have
+        # checked them: those are checked on every call, as eager calls are.
+        if self._checked and ctx.padded_size is not None:
+            return self._call(args)
         with derived_context(ctx, config=ctx.config.replace(debug_checks=True), variant=ctx.variant or "full",
                              padded_size=ctx.padded_size, metadata=ctx.metadata):
             out = self._call(args)
@@ -432,6 +440,12 @@ def _probe(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext, config: F
         with derived_context(ctx, config=config, variant=variant, padded_size=None, metadata=md), \
                 torch.inference_mode(), watch:
             out = call(*inputs)
+        if not isinstance(out, (torch.Tensor, tuple, list)):
+            raise TypeError(
+                f"fullcg.compile(compiler='none'): the model returned a {type(out).__name__}; return a tensor or a "
+                "tuple of tensors (wrap the model in a module that returns, say, the logits), so the padded token "
+                "rows of captured steps can be cut off"
+            )
         outs = out if isinstance(out, (tuple, list)) else (out,)
         now = tuple(isinstance(o, torch.Tensor) and o.dim() >= 1 and o.shape[0] == tokens for o in outs)
         flags = now if flags is None else tuple(a and b for a, b in zip(flags, now))
@@ -540,6 +554,12 @@ class EagerCaptureModel:
                 "(numbers, strings, None, tuples of them); pass tensors for values that change per step"
             ) from None
         if runner is None:
+            if len(self._runners) >= _MAX_RUNNERS:
+                raise RuntimeError(
+                    f"fullcg.compile(compiler='none'): {len(self._runners)} argument layouts or KV-cache sets so far, "
+                    "each with graphs of its own; a non-tensor argument that changes every step makes a new one each "
+                    "time: pass values that change per step as tensors with a token dimension, or as fixed constants"
+                )
             runner = self._runners[key] = self._build(args, names, ctx)
         return runner(*args)
 

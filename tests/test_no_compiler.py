@@ -441,3 +441,69 @@ def test_cuda_capture_up_front_then_replay_without_new_captures():
         assert runner.full_graphs.keys() == full_before.keys(), "no full graph captured after the up-front one"
         assert runner.piecewise.entries.keys() == pieces_before.keys(), "no segments captured after the up-front ones"
 
+
+
+class _FixedKV(torch.nn.Module):
+    """Attention over given k/v that claims 6 valid rows, whatever the step's token count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = fullcg.Attention(2, 8, layer_id=0)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = torch.ones(ids.shape[0], 2, 8) * pos[:, None, None].float()
+        return self.attn(x, x, x, use_kv_cache=False, save_kv_cache=False, key_value_num_tokens=6)
+
+
+def test_uncaptured_steps_check_every_attention_call_as_eager_does():
+    model = _FixedKV()
+    model.attn.allocate_kv_cache(8, 4)
+    run = fullcg.compile(model, compiler="none", graph_mode="piecewise")
+
+    def step(n: int) -> torch.Tensor:
+        md = fullcg.AttentionMetadata.build([n], [0], torch.tensor([[0, 1]], dtype=torch.int32), 4)
+        with torch.inference_mode(), fullcg.forward_context(md, model):
+            return run(torch.arange(n), torch.arange(n))
+
+    step(6)
+    with pytest.raises(ValueError, match=r"key_value_num_tokens must lie in \[0, 4\]"):
+        step(4)  # k has 4 rows now
+
+
+class _DictOut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = LlamaModel(LlamaConfig.tiny(), seed=0)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.inner(ids, pos)}
+
+
+def test_a_model_returning_a_dict_is_refused_naming_the_fix():
+    # Its padded token rows could not be cut off (the first step probes the outputs where
+    # steps may be captured or the policy chooses, as in auto).
+    model = _DictOut()
+    model.inner.allocate_kv_cache(64, 4)
+    run = fullcg.compile(model, compiler="none", graph_mode="auto")
+    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]], dtype=torch.int32), 4)
+    with torch.inference_mode(), fullcg.forward_context(md, model):
+        with pytest.raises(TypeError, match="return a tensor or a tuple of tensors"):
+            run(torch.tensor([1, 2, 3]), torch.arange(3))
+
+
+def test_running_without_a_compiler_never_imports_dynamo():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, fullcg\n"
+        "from fullcg.models.llama import LlamaConfig, LlamaModel\n"
+        "m = LlamaModel(LlamaConfig.tiny()); m.allocate_kv_cache(64, 16)\n"
+        "run = fullcg.compile(m, compiler='none')\n"
+        "md = fullcg.AttentionMetadata.build([4], [0], torch.zeros(1, 1, dtype=torch.int32), 16)\n"
+        "with torch.inference_mode(), fullcg.forward_context(md, m):\n"
+        "    run(torch.tensor([1, 2, 3, 4]), torch.arange(4))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr

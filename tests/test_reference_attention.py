@@ -161,6 +161,8 @@ def test_merge_prefix_chunks_refuses_a_context_of_another_model_and_bad_shapes()
             b.layer.merge_prefix_chunks(b.q, out, lse.double())
         with pytest.raises(ValueError, match="q must be"):
             b.layer.merge_prefix_chunks(b.q[:1], out, lse)
+        with pytest.raises(ValueError, match="do not fit the layer's KV cache"):  # head_dim 8, cache 16
+            torch.ops.fullcg.merge_prefix_chunks.default(b.q[..., :8], out[..., :8], lse, 0)
     with pytest.raises(RuntimeError, match="no forward context"):
         b.layer.merge_prefix_chunks(b.q, out, lse)
 

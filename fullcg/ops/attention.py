@@ -310,6 +310,12 @@ def _merge_prefix_chunks(
             f"{where}: no KV cache for this layer in the forward context; pass the model as "
             "forward_context(metadata, model)"
         )
+    if q.shape[2] != cache.head_dim or out.shape[2] != cache.v_head_dim or q.shape[1] % cache.num_kv_heads:
+        raise ValueError(
+            f"{where}: q {tuple(q.shape)} and out {tuple(out.shape)} do not fit the layer's KV cache pages "
+            f"{tuple(cache.k.shape)} [pages, page_size, kv_heads, head_dim]: q needs the cache's head_dim and a "
+            "multiple of its kv_heads, out its v_head_dim"
+        )
     k_c, v_c, out_c = _chunk_buffers(ctx, q, out, cache, md.prefix_chunk_tokens)
     # One call object for all chunks: only the chunk index changes.
     call = AttentionCall(
