@@ -145,6 +145,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Token ids ``[T]`` and positions ``[T]`` in, logits ``[T, vocab]`` out.
 
+    ``seed=None`` keeps torch's default initialisation: not reproducible, but fast when the
+    model is built under ``with torch.device("cuda"):`` (the seeded draw runs on the CPU, so
+    that every device gets the same weights, about a minute and a half for the 8B shape).
+
     The batch's request structure comes from the forward context, so the same call works
     for prefill, extend, decode and mixed batches.
     """
@@ -153,7 +157,7 @@ class LlamaModel(nn.Module):
         self,
         cfg: LlamaConfig,
         *,
-        seed: int = 0,
+        seed: int | None = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -163,7 +167,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._init_weights(seed)
+        if seed is not None:
+            self._init_weights(seed)
         self.to(device=device, dtype=dtype)
         for layer in self.layers:  # keep rotary frequencies in float32 whatever the dtype
             layer.self_attn.inv_freq = layer.self_attn.inv_freq.float()
