@@ -22,6 +22,7 @@ import torch
 from fullcg import cudagraph
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import ForwardContext, derived_context, get_forward_context
+from fullcg.ops.attention import step_implementations
 from fullcg.ops.impl import AttentionImpl, resolve_implementation
 from fullcg.telemetry import count_step as _count
 from fullcg.telemetry import graph_mode_counts, reset_graph_mode_counts
@@ -107,6 +108,7 @@ class StepRunner:
         self.on_first_call: Callable[[], None] | None = None
         self._first_call = True
         self._impl: AttentionImpl | None = None
+        self._planners: dict[tuple[int, bool], tuple[AttentionImpl, ...]] = {}
         self._full_ok: bool | None = None
         #: The split report of the graph this runner runs (see fullcg.debug.split_report).
         self.report = ""
@@ -204,8 +206,11 @@ class StepRunner:
                 entry = self.full_graphs[key] = cudagraph.capture_graph(
                     self.full, staged, self.device, self.pool, before_capture=static_ctx.memo.clear
                 )
-            assert self._impl is not None  # resolved by full_capture_ok()
-            self._impl.plan(static_ctx)
+                # The implementations the captured attention calls resolved (per head dims):
+                # their host-side plans are refilled before every replay.
+                self._planners[key] = step_implementations(static_ctx)
+            for impl in self._planners[key]:
+                impl.plan(static_ctx)
             entry.graph.replay()
         return entry.output
 

@@ -27,15 +27,15 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         """This batch with its metadata tensors, KV cache and q/k/v on ``device``."""
         md = self.metadata
-        moved = {
-            f.name: getattr(md, f.name).to(device)
-            for f in dataclasses.fields(md)
-            if isinstance(getattr(md, f.name), torch.Tensor)
-        }
+        # Built anew on the device, as an engine builds it (not edited: edits are re-verified).
+        moved = fullcg.AttentionMetadata.build(
+            md.query_lens, md.prefix_lens, md.page_table, md.page_size, md.forward_modes,
+            prefix_chunk_tokens=md.prefix_chunk_tokens, device=device,
+        )
         cache = self.layer.kv_cache
         self.layer.kv_cache = fullcg.KVCache(cache.k.to(device), cache.v.to(device))
         return dataclasses.replace(
-            self, metadata=dataclasses.replace(md, **moved), q=self.q.to(device), k=self.k.to(device),
+            self, metadata=moved, q=self.q.to(device), k=self.k.to(device),
             v=self.v.to(device),
         )
 

@@ -130,3 +130,22 @@ def test_static_tables_are_shared_by_every_capture_size_and_sized_by_max_pages_p
     assert small.fits(fits) and not small.fits(too_long)
     with pytest.raises(ValueError, match="max_pages_per_request"):
         small.fill(too_long)
+
+
+class _WideOnly(AttentionImpl):
+    name = "wide_only"
+    capture_safe = True
+
+    def supports(self, head_dim: int, v_head_dim: int) -> bool:
+        return head_dim >= 64 and v_head_dim == head_dim
+
+
+def test_auto_passes_over_an_implementation_that_does_not_take_the_head_dims(monkeypatch):
+    from fullcg.ops import impl as impls
+
+    register_implementation(_WideOnly())
+    monkeypatch.setattr(impls, "_auto_names", lambda device_type: ("wide_only", "reference"))
+    assert impls.resolve_implementation("auto", torch.device("cpu"), 128, 128).name == "wide_only"
+    assert impls.resolve_implementation("auto", torch.device("cpu"), 16, 16).name == "reference"
+    assert impls.resolve_implementation("auto", torch.device("cpu")).name == "wide_only", "any head dim"
+    assert impls.resolve_implementation("wide_only", torch.device("cpu"), 16, 16).name == "wide_only", "asked by name"

@@ -93,12 +93,20 @@ def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple) -> AttentionCal
     )
 
 
-def step_implementation(ctx: ForwardContext, device: torch.device) -> AttentionImpl:
-    """The implementation that runs this step's attention (resolved once per step)."""
-    impl = ctx.memo.get("impl")
+def step_implementation(ctx: ForwardContext, device: torch.device, head_dim: int, v_head_dim: int) -> AttentionImpl:
+    """The implementation that runs this step's attention of these head dims (resolved
+    once per step; the runner plans captured full graphs with what it finds here)."""
+    key = ("impl", head_dim, v_head_dim)
+    impl = ctx.memo.get(key)
     if impl is None:
-        impl = ctx.memo["impl"] = resolve_implementation(ctx.config.attention_impl, device)
+        impl = ctx.memo[key] = resolve_implementation(ctx.config.attention_impl, device, head_dim, v_head_dim)
     return impl
+
+
+def step_implementations(ctx: ForwardContext) -> tuple[AttentionImpl, ...]:
+    """Every implementation this step's attention calls resolved, once each."""
+    found = [v for k, v in ctx.memo.items() if isinstance(k, tuple) and k and k[0] == "impl"]
+    return tuple({id(i): i for i in found}.values())
 
 
 def _define(name: str, return_lse: bool, breakable: bool) -> object:
@@ -114,7 +122,7 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
             if ctx is None:
                 ctx = get_forward_context()  # raises, saying how to enter one
         cache = check_against_context(call, ctx)
-        impl = step_implementation(ctx, q.device)
+        impl = step_implementation(ctx, q.device, q.shape[2], v.shape[2])
         if call.save_kv_cache:
             impl.save_kv(call, ctx, cache)
         lse = impl.forward(call, ctx, cache if call.use_kv_cache else None)
@@ -324,7 +332,7 @@ def _merge_prefix_chunks(
         False, False, 0, False, True, kv_cache_id,
     )
     layer_cache(call, ctx)  # the calling layer's own cache, and it fits (raises naming the fix)
-    impl = step_implementation(ctx, q.device)
+    impl = step_implementation(ctx, q.device, q.shape[2], out.shape[2])
     for c, plan in enumerate(md.prefix_chunks):
         torch_ops.gather_prefix_chunk(k_c, v_c, cache, md, plan)
         call.prefix_chunk = c

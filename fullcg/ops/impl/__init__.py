@@ -46,23 +46,35 @@ def available_implementations() -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _auto_name(device_type: str) -> str:
-    """On CUDA devices FlashInfer when it is installed, else the Triton kernels (both can be
-    captured in full graphs); the reference everywhere else.
+def _auto_names(device_type: str) -> tuple[str, ...]:
+    """What ``auto`` tries, best first: on CUDA devices FlashInfer and the Triton kernels
+    where installed (both can be captured in full graphs), then the reference.
 
     Cached: looking a package up on sys.path costs more than a whole op call.
     """
+    names = []
     if device_type == "cuda":
-        for name, package in (("flashinfer", "flashinfer"), ("triton", "triton")):
-            if importlib.util.find_spec(package) is not None:
-                return name
-    return "reference"
+        names = [name for name, package in (("flashinfer", "flashinfer"), ("triton", "triton"))
+                 if importlib.util.find_spec(package) is not None]
+    return (*names, "reference")
 
 
-def resolve_implementation(name: str, device: torch.device) -> AttentionImpl:
-    """The implementation called ``name``; ``auto`` picks the best one for ``device``."""
+def resolve_implementation(
+    name: str, device: torch.device, head_dim: int | None = None, v_head_dim: int | None = None
+) -> AttentionImpl:
+    """The implementation called ``name``; ``auto`` picks the best one for ``device`` that
+    takes these head dims (any, when not given)."""
     if name == "auto":
-        name = _auto_name(torch.device(device).type)
+        names = _auto_names(torch.device(device).type)
+        for candidate in names[:-1]:
+            impl = _load(candidate)
+            if head_dim is None or impl.supports(head_dim, head_dim if v_head_dim is None else v_head_dim):
+                return impl
+        name = names[-1]
+    return _load(name)
+
+
+def _load(name: str) -> AttentionImpl:
     impl = _registry.get(name)
     if impl is None and name in _lazy:
         try:

@@ -47,6 +47,11 @@ class AttentionImpl:
         < 0 are padding and skipped). Runs before :meth:`forward` whenever ``call.save_kv_cache``."""
         torch_ops.save_new_kv(call.k, call.v, ctx.metadata, cache)
 
+    def supports(self, head_dim: int, v_head_dim: int) -> bool:
+        """Whether the kernels take these head dims; ``attention_impl="auto"`` passes over
+        an implementation that does not. The default takes any."""
+        return True
+
     def plan(self, ctx: ForwardContext) -> None:
         """Per-step host work (schedules, index buffers) for ``ctx``'s batch.
 

@@ -69,6 +69,10 @@ _INT = torch.int32
 
 
 @dataclasses.dataclass(frozen=True)
+#: Head dims FlashInfer's kernels take (q and v alike).
+_HEAD_DIMS = (64, 128, 256)
+
+
 class _Shape:
     """What a wrapper plan depends on besides the batch: one layer's attention shape."""
 
@@ -399,6 +403,9 @@ class FlashInferAttention(AttentionImpl):
 
     # ------------------------------------------------------------------ running
 
+    def supports(self, head_dim: int, v_head_dim: int) -> bool:
+        return head_dim in _HEAD_DIMS and v_head_dim == head_dim
+
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""
         q, out = call.q, call.out
@@ -406,7 +413,7 @@ class FlashInferAttention(AttentionImpl):
         if not q.is_cuda:
             raise RuntimeError(f"{where}: tensors are on {q.device}; FlashInfer needs a CUDA device. "
                                "Use attention_impl='reference' on the CPU")
-        if q.shape[2] not in (64, 128, 256) or call.v.shape[2] != q.shape[2]:
+        if not self.supports(q.shape[2], call.v.shape[2]):
             raise ValueError(f"{where}: FlashInfer's kernels take head dims 64, 128 or 256 (q and v alike), got "
                              f"{q.shape[2]} and {call.v.shape[2]}; use attention_impl='triton' or 'reference'")
         if q.dtype not in (torch.float16, torch.bfloat16):
