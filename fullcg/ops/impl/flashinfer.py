@@ -66,13 +66,11 @@ SKIP_SOFTMAX_BACKEND = "trtllm-gen"
 
 _LN2 = math.log(2.0)
 _INT = torch.int32
-
-
-@dataclasses.dataclass(frozen=True)
 #: Head dims FlashInfer's kernels take (q and v alike).
 _HEAD_DIMS = (64, 128, 256)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Shape:
     """What a wrapper plan depends on besides the batch: one layer's attention shape."""
 
