@@ -30,6 +30,7 @@ import torch
 
 from fullcg.context import current_padded_size
 from fullcg.metadata import AttentionMetadata, ForwardMode
+from fullcg.telemetry import counts_discarded
 
 __all__ = [
     "CapturedPiece", "BridgedPiece", "StaticMetadata", "StaticTables", "InputStager", "padded_size", "capture_graph",
@@ -68,7 +69,8 @@ def capture_graph(
     (the runner drops the step's memo there: buffers the warm-up made must not be baked
     into the graph, which would outlive them).
     """
-    fn(*args)  # first runs allocate workspaces, pick kernels, JIT-compile: never inside a capture
+    with counts_discarded():  # the step is computed by the replay after capture, not by this run
+        fn(*args)  # first runs allocate workspaces, pick kernels, JIT-compile: never inside a capture
     torch.cuda.synchronize(device)
     if before_capture is not None:
         before_capture()

@@ -45,6 +45,7 @@ from fullcg.errors import InvalidConfigError
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.passes.split import is_split_target, reads_host_plan
 from fullcg.runner import StepRunner
+from fullcg.telemetry import counts_discarded
 
 __all__ = ["Graphs", "CudaGraphs", "SegmentedGraph", "EagerCaptureModel", "launches_nothing"]
 
@@ -335,7 +336,8 @@ class SegmentedGraph:
         return entry.output
 
     def _capture(self, size: int, args: Sequence[Any]) -> _Segments:
-        self.fn(*args)  # warm-up: first runs pick kernels, compile and allocate, never inside a capture
+        with counts_discarded():  # the segments' replays compute the step; this run is only a warm-up
+            self.fn(*args)  # warm-up: first runs pick kernels, compile and allocate, never inside a capture
         self.graphs.synchronize()
         splitter = _Splitter(self.graphs)
         splitter.begin()
@@ -428,6 +430,12 @@ def _probe(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext, config: F
            device: torch.device) -> _Probe:
     """Run the model on stand-in batches (they write nothing to the KV cache) to learn what
     tracing tells the compiled path: its token outputs, and its prefix-chunk ops."""
+    with counts_discarded():  # stand-in batches: not steps the counters report
+        return _probe_stand_ins(call, args, ctx, config, variant, device)
+
+
+def _probe_stand_ins(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext, config: FullCGConfig, variant: str,
+                     device: torch.device) -> _Probe:
     page_size = next(iter(ctx.kv_caches.values())).page_size if ctx.kv_caches else 16
     watch = _PlanWatch()
     flags: tuple[bool, ...] | None = None

@@ -25,6 +25,7 @@ from fullcg.context import ForwardContext, derived_context, get_forward_context
 from fullcg.ops.attention import step_implementations
 from fullcg.ops.impl import AttentionImpl, resolve_implementation
 from fullcg.telemetry import count_step as _count
+from fullcg.telemetry import counts_discarded
 from fullcg.telemetry import graph_mode_counts, reset_graph_mode_counts
 
 __all__ = ["StepRunner", "PieceCall", "graph_mode_counts", "reset_graph_mode_counts", "request_capture", "capture"]
@@ -231,6 +232,12 @@ class StepRunner:
             if pieces:
                 jobs.append(("piecewise", size, False))
         bar = _progress(len(jobs), "fullcg: capturing CUDA graphs")
+        with counts_discarded():  # stand-in batches: not steps the counters report
+            self._capture_jobs(jobs, args, ctx, page_size, bar)
+        bar(0, done=True)
+
+    def _capture_jobs(self, jobs: list[tuple[str, int, bool]], args: tuple[Any, ...], ctx: ForwardContext,
+                      page_size: int, bar: Callable[..., None]) -> None:
         for variant, size, decode_only in jobs:
             md = cudagraph.dummy_metadata(size, decode_only, page_size, self.device)
             staged = self.stager.dummy(args, size)
@@ -241,7 +248,6 @@ class StepRunner:
                 else:
                     self._run_piecewise(dummy, staged, size)
             bar(1)
-        bar(0, done=True)
 
 
 def _progress(total: int, label: str) -> Callable[..., None]:

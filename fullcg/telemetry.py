@@ -17,14 +17,16 @@ on the device of the attention that updates them, as ``int64 [2, 2]`` tensors in
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
+from collections.abc import Iterator
 
 import torch
 
 __all__ = [
-    "SkipSoftmaxStats", "skip_softmax_stats", "reset_skip_softmax_stats", "counters",
+    "SkipSoftmaxStats", "skip_softmax_stats", "reset_skip_softmax_stats", "counters", "counts_discarded",
     "graph_mode_counts", "reset_graph_mode_counts", "count_step", "count_fallback",
 ]
 
@@ -118,6 +120,25 @@ def skip_softmax_stats() -> dict[int, SkipSoftmaxStats]:
         for i, x in enumerate(vals):
             acc[i] += int(x)
     return {lid: SkipSoftmaxStats(*vals) for lid, vals in sorted(totals.items())}
+
+
+@contextlib.contextmanager
+def counts_discarded() -> Iterator[None]:
+    """Undo what the skip-softmax counters count inside: stand-in batches and warm-up runs
+    (capturing runs a step once more than it computes it), so the counters report real steps.
+
+    Restores the tensors in place, so captured graphs keep pointing at them. The counters
+    are per process: counts another thread makes meanwhile are undone as well.
+    """
+    saved = {key: t.clone() for key, t in _counters.items()}
+    try:
+        yield
+    finally:
+        for key, t in _counters.items():
+            if key in saved:
+                t.copy_(saved[key])
+            else:
+                t.zero_()
 
 
 def reset_skip_softmax_stats() -> None:

@@ -507,3 +507,28 @@ def test_running_without_a_compiler_never_imports_dynamo():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+
+
+def _stats_of_steps(model, run, config) -> dict:
+    """Skip-softmax counters after the same steps (prompts, then greedy decodes) through ``run``."""
+    fullcg.reset_skip_softmax_stats()
+    sched = Scheduler(PROMPTS, 3, num_pages=64, page_size=4, prefill_chunk=5)
+    with torch.inference_mode():
+        while (step := sched.next_step()) is not None:
+            with fullcg.forward_context(step.metadata, model, config=config):
+                logits = run(step.input_ids, step.positions)
+            sched.commit(step, logits)
+    return fullcg.skip_softmax_stats()
+
+
+def test_skip_softmax_counters_count_real_steps_only_not_probes_or_warm_ups():
+    skip = fullcg.SkipSoftmaxConfig(prefill_scale_factor=2.0, decode_scale_factor=2.0, tile_kv=4, tile_q=2)
+    eager, model = _pair()
+    config = fullcg.FullCGConfig(compiler="none", graph_mode="piecewise", capture_sizes=SIZES, skip_softmax=skip)
+    expected = _stats_of_steps(eager, eager, config)
+    assert expected and all(s.visited for s in expected.values())
+    run, made = _emulated(model, config)
+    assert _stats_of_steps(model, run, config) == expected
+    assert made[0].captured > 0, "steps were captured (a warm-up run each) and replayed"
+    auto = fullcg.compile(copy.deepcopy(eager), config.replace(graph_mode="auto"))  # probes stand-in batches
+    assert _stats_of_steps(auto.model, auto, config) == expected
