@@ -33,7 +33,9 @@ def test_auto_picks_the_reference_on_the_cpu():
     assert resolve_implementation("auto", torch.device("cpu")).name == "reference"
 
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer kernels need a CUDA GPU")
+def needs_gpu(fn):
+    """A GPU test: selected by ``-m cuda``, skipped with a reason without a GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer kernels need a CUDA GPU")(fn))
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
