@@ -34,7 +34,7 @@ from fullcg.telemetry import counts_discarded
 
 __all__ = [
     "CapturedPiece", "BridgedPiece", "StaticMetadata", "StaticTables", "InputStager", "padded_size", "capture_graph",
-    "dummy_metadata",
+    "dummy_metadata", "tensor_ptrs", "copy_into",
 ]
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,8 @@ def padded_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def _tensor_ptrs(values: Sequence[Any]) -> tuple[int, ...]:
+def tensor_ptrs(values: Sequence[Any]) -> tuple[int, ...]:
+    """The data addresses of ``values``' tensors (-1 for other values): what a graph was captured reading."""
     return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else -1 for v in values)
 
 
@@ -79,7 +80,7 @@ def capture_graph(
     # must not invalidate this capture.
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = fn(*args)
-    return Captured(graph, output, _tensor_ptrs(args))
+    return Captured(graph, output, tensor_ptrs(args))
 
 
 class CapturedPiece:
@@ -100,7 +101,7 @@ class CapturedPiece:
         entry = self.graphs.get(size)
         if entry is None:
             entry = self.graphs[size] = capture_graph(self.fn, args, self.device, self.pool)
-        elif self.check_inputs and _tensor_ptrs(args) != entry.input_ptrs:
+        elif self.check_inputs and tensor_ptrs(args) != entry.input_ptrs:
             raise RuntimeError(
                 f"fullcg: the inputs of captured piece {self.name} (size {size}) moved since capture; "
                 "the graph would read stale memory"
@@ -128,7 +129,7 @@ class BridgedPiece:
             with torch.inference_mode(False):
                 bridge = self.bridges[size] = _map_tensors(out, lambda t: t.clone())
         else:
-            _copy_into(bridge, out)
+            copy_into(bridge, out)
         return bridge
 
 
@@ -140,12 +141,14 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
-def _copy_into(dst: Any, src: Any) -> None:
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy ``src``'s tensors into ``dst``'s (nested tuples and lists alike); other entries of
+    ``dst`` (None: nothing to copy) are left."""
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
     elif isinstance(dst, (tuple, list)):
         for d, s in zip(dst, src):
-            _copy_into(d, s)
+            copy_into(d, s)
 
 
 class InputStager:

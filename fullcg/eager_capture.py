@@ -192,10 +192,6 @@ class _Segments:
         return len(self.segments)
 
 
-def _tensor_ptrs(values: Sequence[Any]) -> tuple[int, ...]:
-    return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else -1 for v in values)
-
-
 def _storages(args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
     found: set[int] = set()
     for value in (*args, *kwargs.values()):
@@ -221,15 +217,6 @@ def _bridge(result: Any, inputs: set[int]) -> tuple[Any, Any]:
             return None, result
         return type(result)(b for b, _ in pairs), type(result)(r for _, r in pairs)
     return None, result
-
-
-def _copy_fresh(bridge: Any, result: Any) -> None:
-    if isinstance(bridge, torch.Tensor):
-        bridge.copy_(result)
-    else:
-        for b, r in zip(bridge, result):
-            if b is not None:
-                _copy_fresh(b, r)
 
 
 class _NoDynamoMode(TorchDispatchMode):
@@ -320,7 +307,7 @@ class SegmentedGraph:
         if entry is None:
             entry = self.entries[key] = self._capture(size, args)
             return entry.output
-        if self.check_inputs and _tensor_ptrs(args) != entry.input_ptrs:
+        if self.check_inputs and cudagraph.tensor_ptrs(args) != entry.input_ptrs:
             raise RuntimeError(
                 f"fullcg: the inputs of {self.name} (size {size}) moved since capture; "
                 "the graph would read stale memory"
@@ -332,7 +319,7 @@ class SegmentedGraph:
             if split is not None:
                 result = split.kernel(*split.args, **split.kwargs)
                 if split.bridge is not None:
-                    _copy_fresh(split.bridge, result)
+                    cudagraph.copy_into(split.bridge, result)
         return entry.output
 
     def _capture(self, size: int, args: Sequence[Any]) -> _Segments:
@@ -355,7 +342,7 @@ class SegmentedGraph:
                 )
             raise
         splitter.segments.append((graph, None))
-        entry = _Segments(splitter.segments, output, _tensor_ptrs(args))
+        entry = _Segments(splitter.segments, output, cudagraph.tensor_ptrs(args))
         empty = sum(g is None for g, _ in entry.segments)
         logger.info("fullcg: captured %s for %d tokens: %d segments (%d empty), %d eager ops between them",
                     self.name, size, entry.num_segments, empty, entry.num_segments - 1)

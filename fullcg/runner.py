@@ -108,7 +108,6 @@ class StepRunner:
         self.tables: cudagraph.StaticTables | None = None
         self.on_first_call: Callable[[], None] | None = None
         self._first_call = True
-        self._impl: AttentionImpl | None = None
         self._planners: dict[tuple[int, bool], tuple[AttentionImpl, ...]] = {}
         self._full_ok: bool | None = None
         #: The split report of the graph this runner runs (see fullcg.debug.split_report).
@@ -120,7 +119,7 @@ class StepRunner:
         """Whether the full graph can be captured: a capture-safe implementation and no
         prefix-chunk gathers (they read the chunk plan on the host). Fixed per runner."""
         if self._full_ok is None:
-            impl = self._impl = resolve_implementation(self.config.attention_impl, self.device)
+            impl = resolve_implementation(self.config.attention_impl, self.device)
             self._full_ok = self.full is not None and self.full_capturable and impl.capture_safe
             if not self._full_ok and self.full is not None and self.config.graph_mode is not GraphMode.AUTO:
                 if not self.full_capturable:
