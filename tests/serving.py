@@ -17,8 +17,9 @@ from collections.abc import Iterator
 
 import torch
 
+import fullcg
 from fullcg.generate import BatchScheduler, Step
-from fullcg.metadata import ForwardMode
+from fullcg.metadata import AttentionMetadata, ForwardMode
 
 
 @dataclasses.dataclass
@@ -79,3 +80,25 @@ class ServingLoop:
         for req, mode in zip(step.requests, step.modes):
             if mode is ForwardMode.PREFILL and freed.intersection(req.pages):
                 self.stats["page_reuse"] += 1
+
+
+def play_side_by_side(
+    loop: ServingLoop, eager: torch.nn.Module, model: torch.nn.Module, run, config: fullcg.FullCGConfig,
+    *, atol: float = 0.0,
+) -> list[AttentionMetadata]:
+    """Every step of ``loop`` through ``eager`` and through ``run`` (``model`` compiled, or run
+    without a compiler), each model with its own cache; their logits must agree step by step,
+    bitwise when ``atol`` is 0. Returns the steps' metadata."""
+    seen = []
+    with torch.inference_mode():
+        for i, step in enumerate(loop):
+            with fullcg.forward_context(step.metadata, eager, config=config):
+                expected = eager(step.input_ids, step.positions)
+            with fullcg.forward_context(step.metadata, model, config=config):
+                got = run(step.input_ids, step.positions)
+            if atol:
+                torch.testing.assert_close(got, expected, rtol=0, atol=atol, msg=lambda m: f"step {i} {step.modes}: {m}")
+            else:
+                assert torch.equal(got, expected), f"step {i} ({step.modes}): logits differ from eager"
+            seen.append(step.metadata)
+    return seen

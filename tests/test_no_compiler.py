@@ -24,7 +24,7 @@ from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
 from batches import side_by_side
 from emulated_graphs import EmulatedGraphs
-from serving import ServingLoop
+from serving import ServingLoop, play_side_by_side
 
 MODES = ["piecewise", "full", "full_and_piecewise", "auto"]
 SIZES = (1, 2, 4, 8, 16)  # the serving loop's steps reach 24 tokens: some run uncaptured
@@ -43,16 +43,7 @@ def _pair(loop: ServingLoop | None = None, *, chunked: bool = False) -> tuple[Ll
 
 def _play(loop: ServingLoop, eager: torch.nn.Module, model: torch.nn.Module, run, config) -> list:
     """Every step of ``loop`` through ``eager`` and ``run``; their logits must agree (fp32)."""
-    seen = []
-    with torch.inference_mode():
-        for i, step in enumerate(loop):
-            with fullcg.forward_context(step.metadata, eager, config=config):
-                expected = eager(step.input_ids, step.positions)
-            with fullcg.forward_context(step.metadata, model, config=config):
-                got = run(step.input_ids, step.positions)
-            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=lambda m: f"step {i} {step.modes}: {m}")
-            seen.append(step.metadata)
-    return seen
+    return play_side_by_side(loop, eager, model, run, config, atol=1e-5)
 
 
 def _expected_counts(steps: list[fullcg.AttentionMetadata], mode: str, captures: bool) -> collections.Counter:

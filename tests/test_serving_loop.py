@@ -9,7 +9,7 @@ import torch
 import fullcg
 from fullcg.config import GraphMode
 from fullcg.models.llama import LlamaConfig, LlamaModel
-from serving import ServingLoop
+from serving import ServingLoop, play_side_by_side
 
 
 def _pair(loop: ServingLoop, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, LlamaModel]:
@@ -27,16 +27,7 @@ def _play(loop: ServingLoop, config: fullcg.FullCGConfig, *, atol: float = 0.0) 
     backend = fullcg.Backend(config)
     compiled = torch.compile(compiled_model, backend=backend)
     fullcg.reset_graph_mode_counts()
-    with torch.inference_mode():
-        for i, step in enumerate(loop):
-            with fullcg.forward_context(step.metadata, eager, config=config):
-                expected = eager(step.input_ids, step.positions)
-            with fullcg.forward_context(step.metadata, compiled_model, config=config):
-                got = compiled(step.input_ids, step.positions)
-            if atol:
-                torch.testing.assert_close(got, expected, rtol=0, atol=atol, msg=lambda m: f"step {i}: {m}")
-            else:
-                assert torch.equal(got, expected), f"step {i} ({step.modes}): compiled logits differ from eager"
+    play_side_by_side(loop, eager, compiled_model, compiled, config, atol=atol)
     return backend
 
 
