@@ -217,6 +217,17 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     outputs: dict[tuple[str, str], list[list[int]]] = {}
+    record = {
+        "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+        "dtype": str(dtype), "results": results,
+    }
+
+    def write() -> None:
+        # After every row, so a run stopped part-way still leaves what it measured.
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
     for engine in engines:
         if engine == "fullcg":
             from fullcg.integrations import transformers as fhf
@@ -253,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "compiler": config.compiler, "max_num_tokens": args.max_num_tokens,
                                         "max_num_seqs": args.max_num_seqs}
             results.append(row)
+            write()
             print(f"{engine:>20s} {name:>8s}: {seconds:8.3f} s  {row['tokens_per_s']:10.1f} tok/s  "
                   f"{row['output_tokens_per_s']:9.1f} out tok/s  {row['ms_per_output_token']:8.3f} ms/out tok  "
                   f"(warm-up {warm:.1f} s)", flush=True)
@@ -266,14 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             same = sum(a == b for o, r in zip(out, base) for a, b in zip(o, r))
             agreement[f"{engine}/{name}"] = same / sum(len(r) for r in base)
     print("greedy tokens equal to hf's:", {k: round(v, 4) for k, v in agreement.items()})
-    record = {
-        "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "dtype": str(dtype), "results": results, "greedy_agreement_with_hf": agreement,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+    record["greedy_agreement_with_hf"] = agreement
+    write()
     if args.smoke and any(abs(v - 1.0) > 0 for k, v in agreement.items() if k.startswith("fullcg/")):
         print("error: in fp32 fullcg must agree with HF token for token", file=sys.stderr)
         return 1

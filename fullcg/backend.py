@@ -52,9 +52,37 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def _compile_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compiler: str) -> PieceCall:
+class PieceFallbacks(dict):
+    """Pieces Inductor failed on, by name, with the error; they run as traced instead.
+
+    ``enabled`` is off inside a compile-cache session: there a failure is first blamed on
+    the cache, and the uncached retry is the one that falls back.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+
+def _compile_piece(
+    name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compiler: str, fallbacks: PieceFallbacks
+) -> PieceCall:
     if compiler == "eager":
         return PieceCall(name, gm)
+    try:
+        return _inductor_piece(name, gm, example_inputs)
+    except Exception as exc:
+        if not fallbacks.enabled:
+            raise
+        # A compiler bug in one piece (torch 2.11's Inductor cannot tile some reductions
+        # over size-oblivious token counts) must not stop the model: that piece runs as
+        # traced, still inside CUDA graphs, and the split report names it.
+        fallbacks[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        logger.warning("fullcg: Inductor failed on %s (%s); it runs as traced, without Inductor", name, fallbacks[name])
+        return PieceCall(name, gm)
+
+
+def _inductor_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PieceCall:
     from torch._inductor.compile_fx import compile_fx
 
     # Inductor wants graphs that return a tuple; a piece that returns one value is
@@ -85,10 +113,13 @@ class _PieceCompiler(torch.fx.Interpreter):
     """Runs the split graph on fake inputs, compiling each non-breakable piece on the way
     with the (symbolic) inputs it actually receives."""
 
-    def __init__(self, split: SplitGraph, compiler: str, dump: GraphDump, variant: str) -> None:
+    def __init__(
+        self, split: SplitGraph, compiler: str, dump: GraphDump, variant: str, fallbacks: PieceFallbacks
+    ) -> None:
         super().__init__(split.graph_module)
         self.split = split
         self.compiler = compiler
+        self.fallbacks = fallbacks
         self.dump = dump
         self.variant = variant
         self.calls: dict[str, PieceCall] = {}
@@ -107,7 +138,7 @@ class _PieceCompiler(torch.fx.Interpreter):
             key = piece_key(piece.graph_module, args)
             first = self._compiled.get(key)
             if first is None:
-                first = self._compiled[key] = _compile_piece(target, piece.graph_module, args, self.compiler)
+                first = self._compiled[key] = _compile_piece(target, piece.graph_module, args, self.compiler, self.fallbacks)
             else:
                 self.shared_with[target] = first.name
             self.calls[target] = PieceCall(target, first.fn, unwrap_single=first.unwrap_single)
@@ -177,11 +208,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     cache = compile_cache.cache_for(config)
     with torch.no_grad():
         if cache is None:
-            return _compile_graph(gm, example_inputs, config)
+            return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=True))
         key = cache.key(gm, example_inputs, config, _pass_uuid(config))
         try:
             with cache.session(key):
-                return _compile_graph(gm, example_inputs, config)
+                return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=False))
         except FullCGError:
             raise  # fullcg refused the graph or its config: no cache is involved
         except Exception as exc:
@@ -191,7 +222,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             logger.warning("fullcg: compiling with the compile cache failed (%s: %s); compiling once more without it",
                            type(exc).__name__, exc)
         with compile_cache.uncached_compile():
-            return _compile_graph(gm, example_inputs, config)
+            return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=True))
 
 
 def _pass_uuid(config: FullCGConfig) -> str:
@@ -204,7 +235,9 @@ def _pass_uuid(config: FullCGConfig) -> str:
     return ",".join(uuids)
 
 
-def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig) -> StepRunner:
+def _compile_graph(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, fallbacks: PieceFallbacks
+) -> StepRunner:
     global _warned_cpu
     device = _device_of(example_inputs)
     dump = GraphDump(config.dump_dir)
@@ -235,7 +268,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
-        compiler = _PieceCompiler(split, config.compiler, dump, "piecewise")
+        compiler = _PieceCompiler(split, config.compiler, dump, "piecewise", fallbacks)
         with fake_mode:
             compiler.run(*_fake_inputs(fake_mode, example_inputs))
         runnable = split.graph_module
@@ -259,9 +292,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], conf
         uuid = uuid or manager.uuid()
         full_gm = _variant_graph(gm, manager)
         dump.graph("after_passes_full.py", full_gm)
-        full_fn = _compile_piece("full", full_gm, example_inputs, config.compiler)
+        full_fn = _compile_piece("full", full_gm, example_inputs, config.compiler, fallbacks)
 
-    report = split_report(config, str(device), uuid, split, full_gm, shared_with)
+    report = split_report(config, str(device), uuid, split, full_gm, shared_with, fallbacks)
     dump.write("split_report.txt", report)
     stager, token_outputs = _token_layout(gm, example_inputs, config, device)
     runner = StepRunner(

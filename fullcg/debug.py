@@ -70,13 +70,16 @@ def split_report(
     split: SplitGraph | None,
     full: torch.fx.GraphModule | None,
     shared_with: dict[str, str] | None = None,
+    fallbacks: dict[str, str] | None = None,
 ) -> str:
     """A plain-text account of how a graph was compiled: modes, capture sizes, pieces, attention nodes.
 
     ``shared_with`` maps a compiled piece that reuses another piece's compilation (same code
-    and input metadata) to that piece's name.
+    and input metadata) to that piece's name; ``fallbacks`` maps a piece Inductor failed on
+    (it runs as traced) to the error.
     """
     shared_with = shared_with or {}
+    fallbacks = fallbacks or {}
     from fullcg.passes.split import Piece
 
     sizes = config.sizes_to_capture
@@ -106,6 +109,8 @@ def split_report(
             if not piece.breakable:
                 kind = f"compiled piece, same compilation as {shared_with[piece.name]}" if piece.name in shared_with \
                     else "compiled piece"
+                if fallbacks.get(shared_with.get(piece.name, piece.name)):
+                    kind += f" (Inductor failed on it: runs as traced; {fallbacks[shared_with.get(piece.name, piece.name)]})"
             elif prefix_chunk_nodes(piece.graph_module.graph):
                 kind = "prefix-chunk attention and merge (eager, split point)"
             elif piece.attention_summary():
@@ -117,7 +122,7 @@ def split_report(
             lines += [f"    {s}" for s in piece.attention_summary()]
         lines.append("")
     if full is not None:
-        lines.append("full variant: 1 graph, attention inside")
+        lines.append("full variant: 1 graph, attention inside" + (" (Inductor failed on it: runs as traced)" if "full" in fallbacks else ""))
         lines += [f"    {s}" for s in Piece("full", full, False).attention_summary()]
     return "\n".join(lines) + "\n"
 

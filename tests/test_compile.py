@@ -39,3 +39,56 @@ def test_options_reach_the_backend_config():
     compiled = fullcg.compile(torch.nn.Linear(2, 2), fullcg.FullCGConfig(graph_mode="piecewise"), compiler="eager")
     assert compiled.backend.config.graph_mode is fullcg.config.GraphMode.PIECEWISE
     assert compiled.backend.config.compiler == "eager"
+
+
+def test_a_piece_inductor_fails_on_runs_as_traced_and_the_split_report_names_it(monkeypatch, tmp_path, caplog):
+    # Inductor can fail on a piece (torch 2.11 cannot tile some reductions over size-oblivious
+    # token counts); the model must still run, each such piece as traced, and say so. With the
+    # compile cache on, the failure is first blamed on the cache, then the uncached retry falls back.
+    import fullcg.backend
+
+    def broken_inductor(name, gm, example_inputs):
+        raise RuntimeError(f"CantSplit in {name}\ndetails")
+
+    monkeypatch.setattr(fullcg.backend, "_inductor_piece", broken_inductor)
+    monkeypatch.delenv("FULLCG_DISABLE_COMPILE_CACHE")  # the suite turns the cache off; this test needs it on
+    torch._dynamo.reset()
+    model = LlamaModel(LlamaConfig.tiny())
+    model.allocate_kv_cache(64, 4)
+    reference = LlamaModel(LlamaConfig.tiny())
+    reference.allocate_kv_cache(64, 4)
+    compiled = fullcg.compile(model, compiler="inductor", graph_mode="full_and_piecewise", cache_dir=str(tmp_path))
+    table = torch.arange(64, dtype=torch.int32).view(4, 16)
+    with caplog.at_level("WARNING", logger="fullcg"):
+        for q_lens, p_lens in _steps():
+            md = fullcg.AttentionMetadata.build(q_lens, p_lens, table[: len(q_lens)], 4)
+            ids = torch.randint(0, 100, (sum(q_lens),))
+            pos = torch.cat([torch.arange(p, p + q) for q, p in zip(q_lens, p_lens)])
+            with torch.inference_mode():
+                with fullcg.forward_context(md, model):
+                    got = compiled(ids, pos)
+                with fullcg.forward_context(md, reference):
+                    want = reference(ids, pos)
+            torch.testing.assert_close(got, want)
+    (runner,) = compiled.backend.runners
+    assert "runs as traced; RuntimeError: CantSplit in submod_0" in runner.report
+    assert "full variant: 1 graph, attention inside (Inductor failed on it: runs as traced)" in runner.report
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("compiling with the compile cache failed" in m for m in messages)
+    assert any("Inductor failed on submod_0" in m for m in messages)
+
+
+def test_an_inductor_failure_is_not_hidden_when_the_piece_cannot_run_at_all(monkeypatch):
+    # The fallback covers compiler failures only: a piece that cannot run raises as before.
+    import fullcg.backend
+
+    monkeypatch.setattr(fullcg.backend, "_inductor_piece", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    fallbacks = fullcg.backend.PieceFallbacks(enabled=False)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    try:
+        fullcg.backend._compile_piece("p", gm, [torch.ones(1, 2)], "inductor", fallbacks)
+    except RuntimeError as exc:
+        assert str(exc) == "boom"
+    else:
+        raise AssertionError("with fallbacks off (inside a cache session) the error must propagate")
+    assert dict(fallbacks) == {}
