@@ -32,7 +32,7 @@ from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.eager_capture import EagerCaptureModel
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
 from fullcg.passes.piece_key import piece_key
-from fullcg.passes.split import reads_host_plan
+from fullcg.passes.split import Piece, reads_host_plan
 from fullcg.runner import PieceCall, StepRunner
 
 __all__ = ["Backend", "CompiledModel", "compile", "fullcg_backend"]
@@ -110,8 +110,9 @@ def _eager_split_point(gm: torch.fx.GraphModule) -> Callable[..., Any]:
 
 
 class _PieceCompiler(torch.fx.Interpreter):
-    """Runs the split graph on fake inputs, compiling each non-breakable piece on the way
-    with the (symbolic) inputs it actually receives."""
+    """Compiles each non-breakable piece of the split graph with the (symbolic) inputs it
+    receives: those Dynamo recorded on the piece's placeholders, or else (a placeholder
+    without them) the ones a run of the split graph on fake inputs produces."""
 
     def __init__(
         self, split: SplitGraph, compiler: str, dump: GraphDump, variant: str, fallbacks: PieceFallbacks
@@ -127,22 +128,48 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.shared_with: dict[str, str] = {}
         self._compiled: dict[str, PieceCall] = {}  # piece_key -> the first piece compiled with it
 
+    def compile_all(self, fake_mode: Any, example_inputs: Sequence[Any]) -> None:
+        recorded = [_recorded_inputs(piece.graph_module) for piece in self.split.pieces]
+        if all(args is not None for args in recorded):
+            # No second run over fake inputs: it would evaluate sizes outside Dynamo's
+            # guard suppression (torch 2.11's matmul and diff read them as ints) and
+            # specialize the token count.
+            for piece, args in zip(self.split.pieces, recorded):
+                self._compile(piece, args)
+            return
+        with fake_mode:
+            self.run(*_fake_inputs(fake_mode, example_inputs))
+
     def call_module(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        piece = next(p for p in self.split.pieces if p.name == target)
+        self._compile(next(p for p in self.split.pieces if p.name == target), args)
+        return super().call_module(target, args, kwargs)
+
+    def _compile(self, piece: Piece, args: Sequence[Any]) -> None:
+        target = piece.name
         self.dump.graph(f"{self.variant}/{piece.name}.py", piece.graph_module)
         if piece.breakable:
             self.calls[target] = PieceCall(target, _eager_split_point(piece.graph_module))
+            return
+        # The layers' pieces are one graph on different weights (weights are inputs):
+        # compile the first, and let the identical others call its artifact.
+        key = piece_key(piece.graph_module, args)
+        first = self._compiled.get(key)
+        if first is None:
+            first = self._compiled[key] = _compile_piece(target, piece.graph_module, args, self.compiler, self.fallbacks)
         else:
-            # The layers' pieces are one graph on different weights (weights are inputs):
-            # compile the first, and let the identical others call its artifact.
-            key = piece_key(piece.graph_module, args)
-            first = self._compiled.get(key)
-            if first is None:
-                first = self._compiled[key] = _compile_piece(target, piece.graph_module, args, self.compiler, self.fallbacks)
-            else:
-                self.shared_with[target] = first.name
-            self.calls[target] = PieceCall(target, first.fn, unwrap_single=first.unwrap_single)
-        return super().call_module(target, args, kwargs)
+            self.shared_with[target] = first.name
+        self.calls[target] = PieceCall(target, first.fn, unwrap_single=first.unwrap_single)
+
+
+def _recorded_inputs(gm: torch.fx.GraphModule) -> list[Any] | None:
+    """The example values Dynamo recorded for ``gm``'s inputs, or None if one lacks them."""
+    values = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if value is None:
+            return None
+        values.append(value)
+    return values
 
 
 def _fake_inputs(fake_mode: Any, example_inputs: Sequence[Any]) -> list[Any]:
@@ -185,8 +212,22 @@ def _token_layout(
     return InputStager(token_args, size_args, buffers), token_outputs
 
 
+def _keeps(node: torch.fx.Node) -> bool:
+    """Whether dead-code elimination must keep ``node``: fullcg's ops write the KV cache
+    and their outputs in place, whether or not anything reads their results."""
+    target = node.target
+    return node.is_impure() or (
+        node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "fullcg"
+    )
+
+
 def _variant_graph(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.GraphModule:
     graph = copy.deepcopy(gm.graph)
+    # Dynamo leaves unused computations in the graph (a transformers model's packed-sequence
+    # detection, for one). Running them again on fake inputs while pieces compile can
+    # specialize the token count on torch 2.11 (torch.diff's decomposition reads sizes as
+    # ints), so they go before the passes, the split and any compiler see them.
+    graph.eliminate_dead_code(is_impure_node=_keeps)
     manager(graph)
     out = torch.fx.GraphModule(gm, graph)
     out.meta.update(gm.meta)
@@ -267,10 +308,8 @@ def _compile_graph(
         from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
         compiler = _PieceCompiler(split, config.compiler, dump, "piecewise", fallbacks)
-        with fake_mode:
-            compiler.run(*_fake_inputs(fake_mode, example_inputs))
+        compiler.compile_all(detect_fake_mode(example_inputs) or FakeTensorMode(), example_inputs)
         runnable = split.graph_module
         for piece in split.pieces:
             call: Any = compiler.calls[piece.name]
