@@ -184,3 +184,55 @@ def test_dump_dir_holds_graphs_pieces_report_and_decompiled_source(tmp_path):
     assert report.count("breakable attention (eager, split point)") == 2
     decompiled = (graph_dir / "decompiled.py").read_text()
     assert "def " in decompiled and "__compiled_fn" in decompiled
+
+
+class _UnusedWork(torch.nn.Module):
+    """A model that computes something it never uses, as transformers models do (their
+    packed-sequence detection): ``torch.diff`` of the positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = LlamaModel(LlamaConfig.tiny())
+        self.model.allocate_kv_cache(num_pages=64, page_size=4)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        (torch.diff(positions) != 1).cumsum(-1)
+        return self.model(input_ids, positions)
+
+
+def test_unused_computations_are_dropped_but_attention_whose_result_is_unused_stays(tmp_path):
+    torch._dynamo.reset()
+    module = _UnusedWork()
+    config = fullcg.FullCGConfig(graph_mode="full_and_piecewise", compiler="eager", dump_dir=str(tmp_path))
+    compiled = fullcg.compile(module, config)
+    md = fullcg.AttentionMetadata.build([5], [0], torch.arange(16, dtype=torch.int32)[None], 4)
+    ids, pos = torch.arange(5), torch.arange(5)
+    with torch.inference_mode(), fullcg.forward_context(md, module.model):
+        got = compiled(ids, pos)
+    reference = LlamaModel(LlamaConfig.tiny())
+    reference.allocate_kv_cache(num_pages=64, page_size=4)
+    with torch.inference_mode(), fullcg.forward_context(md, reference):
+        torch.testing.assert_close(got, reference(ids, pos))
+    graph_dir = next(tmp_path.glob("graph_*"))
+    assert "torch.diff" in (graph_dir / "before_passes.py").read_text()
+    for variant in ("after_passes_piecewise.py", "after_passes_full.py"):
+        text = (graph_dir / variant).read_text()
+        assert "torch.diff" not in text and "cumsum" not in text, variant
+        # The attention ops' results are unused (they write their outputs in place); they stay.
+        assert text.count("torch.ops.fullcg.") >= 2, variant
+
+
+def test_pieces_compile_from_the_inputs_dynamo_recorded_without_a_second_fake_run(monkeypatch):
+    # A second run over fake inputs would read sizes outside Dynamo's guard suppression
+    # (on torch 2.11 that specialized a transformers model's token count).
+    import fullcg.backend
+
+    def no_fake_run(self, *args, **kwargs):
+        raise AssertionError("the split graph was run again on fake inputs")
+
+    monkeypatch.setattr(fullcg.backend._PieceCompiler, "run", no_fake_run)
+    torch._dynamo.reset()
+    config = fullcg.FullCGConfig(graph_mode="piecewise", compiler="eager")
+    eager, comp = _models()
+    worst, _ = run_side_by_side(eager, comp, torch.compile(comp, backend=Backend(config)), config)
+    assert worst < 1e-4
