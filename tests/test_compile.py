@@ -13,13 +13,16 @@ def _steps():
     return [([5], [0]), ([1], [5]), ([3, 1], [0, 6]), ([1, 1, 1], [3, 7, 2]), ([8], [0])]
 
 
-def test_fullcg_compile_serves_every_token_count_with_the_first_graph_and_matches_eager():
-    torch._dynamo.reset()
-    model = LlamaModel(LlamaConfig.tiny())
-    model.allocate_kv_cache(64, 4)
-    compiled = fullcg.compile(model, compiler="eager")
-    reference = LlamaModel(LlamaConfig.tiny())
-    reference.allocate_kv_cache(64, 4)
+def _models() -> tuple[LlamaModel, LlamaModel]:
+    """(a tiny Llama to compile, an identical one to run eagerly), each with its KV cache."""
+    pair = LlamaModel(LlamaConfig.tiny()), LlamaModel(LlamaConfig.tiny())
+    for m in pair:
+        m.allocate_kv_cache(64, 4)
+    return pair
+
+
+def _run_steps_against_eager(model: LlamaModel, compiled, reference: LlamaModel) -> None:
+    """Every batch of ``_steps()`` through ``compiled`` and ``reference``; the logits must agree."""
     table = torch.arange(64, dtype=torch.int32).view(4, 16)
     for q_lens, p_lens in _steps():
         md = fullcg.AttentionMetadata.build(q_lens, p_lens, table[: len(q_lens)], 4)
@@ -31,6 +34,13 @@ def test_fullcg_compile_serves_every_token_count_with_the_first_graph_and_matche
             with fullcg.forward_context(md, reference):
                 want = reference(ids, pos)
         torch.testing.assert_close(got, want)
+
+
+def test_fullcg_compile_serves_every_token_count_with_the_first_graph_and_matches_eager():
+    torch._dynamo.reset()
+    model, reference = _models()
+    compiled = fullcg.compile(model, compiler="eager")
+    _run_steps_against_eager(model, compiled, reference)
     assert len(compiled.backend.runners) == 1, "the second step (and every later one) reuses the first graph"
     assert "graph_mode=auto" in repr(compiled)
 
@@ -53,23 +63,10 @@ def test_a_piece_inductor_fails_on_runs_as_traced_and_the_split_report_names_it(
     monkeypatch.setattr(fullcg.backend, "_inductor_piece", broken_inductor)
     monkeypatch.delenv("FULLCG_DISABLE_COMPILE_CACHE")  # the suite turns the cache off; this test needs it on
     torch._dynamo.reset()
-    model = LlamaModel(LlamaConfig.tiny())
-    model.allocate_kv_cache(64, 4)
-    reference = LlamaModel(LlamaConfig.tiny())
-    reference.allocate_kv_cache(64, 4)
+    model, reference = _models()
     compiled = fullcg.compile(model, compiler="inductor", graph_mode="full_and_piecewise", cache_dir=str(tmp_path))
-    table = torch.arange(64, dtype=torch.int32).view(4, 16)
     with caplog.at_level("WARNING", logger="fullcg"):
-        for q_lens, p_lens in _steps():
-            md = fullcg.AttentionMetadata.build(q_lens, p_lens, table[: len(q_lens)], 4)
-            ids = torch.randint(0, 100, (sum(q_lens),))
-            pos = torch.cat([torch.arange(p, p + q) for q, p in zip(q_lens, p_lens)])
-            with torch.inference_mode():
-                with fullcg.forward_context(md, model):
-                    got = compiled(ids, pos)
-                with fullcg.forward_context(md, reference):
-                    want = reference(ids, pos)
-            torch.testing.assert_close(got, want)
+        _run_steps_against_eager(model, compiled, reference)
     (runner,) = compiled.backend.runners
     assert "runs as traced; RuntimeError: CantSplit in submod_0" in runner.report
     assert "full variant: 1 graph, attention inside (Inductor failed on it: runs as traced)" in runner.report
