@@ -72,11 +72,14 @@ def test_a_planned_launch_calls_the_compiled_kernel_directly_and_recompiles_for_
     assert len(jit_launches) == 1 and len(compiled.runs) == 1
     grid_and_handles, rest = compiled.runs[0][:9], compiled.runs[0][9:]
     assert grid_and_handles == (2, 1, 1, 77, "fn-handle", "meta", None, None, None)
-    assert rest[0].data_ptr() == buf[8:16].data_ptr() and rest[1:] == (3, 0.5, 16), "runtime args, then constexprs"
+    # Tensors go as device addresses: Triton's launcher then skips a driver call per tensor.
+    assert rest == (buf[8:16].data_ptr(), 3, 0.5, 16), "runtime args, then constexprs"
     launcher.launch_keyed((2, 1, 1), (buf[1:9], 3, 0.5), (16,), 4, 3, key, stream=77)
     assert len(jit_launches) == 2, "a tensor that is not 16-byte aligned is another specialisation"
     launcher((2, 1, 1), args, (16,), 4, 3)  # the unplanned path keys every argument
     launcher((2, 1, 1), (buf[8:16], 3, 0.25), (16,), 4, 3)
     assert len(jit_launches) == 3
+    unplanned = launcher._compiled[next(iter(launcher._compiled))]
+    assert unplanned.runs[-1][9:] == (buf[8:16].data_ptr(), 3, 0.25, 16), "the unplanned path passes addresses too"
     unplanned = launcher._compiled[next(iter(launcher._compiled))]
     assert unplanned.runs[0][3] == 1234, "the unplanned path launches on the current device's stream"

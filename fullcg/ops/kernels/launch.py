@@ -7,6 +7,13 @@ keeps the compiled kernel per specialisation under a key it builds cheaply (exac
 values, tensor dtypes and 16-byte alignment: never coarser than Triton's own key, so a
 hit is always the kernel Triton would pick) and calls its launcher directly.
 
+That call passes tensors as their device addresses (ints). Given a tensor, Triton's
+launcher calls its ``data_ptr()`` and then ``cuPointerGetAttribute`` to check the address
+is device memory: one driver call per tensor argument per launch, the larger part of a
+launch's host time for kernels of a dozen tensors. The first launch of a specialisation
+goes through Triton with the tensors themselves (all of its checks), and fullcg's ops check
+that every tensor is on q's device before anything launches.
+
 Under ``TRITON_INTERPRET=1`` (CPU tests) it launches the ordinary way.
 """
 
@@ -103,7 +110,7 @@ class Launcher:
             return
         stream = torch._C._cuda_getCurrentRawStream(device)
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *args, *constexprs)
+                   *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *constexprs)
 
     def launch_keyed(
         self,
@@ -128,13 +135,16 @@ class Launcher:
             positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
             entry = self._by_static_key[(static_key, device)] = (positions, {})
         positions, kernels = entry
-        alignment = tuple([args[i].data_ptr() & 15 for i in positions])
+        raw = list(args)
+        for i in positions:
+            raw[i] = args[i].data_ptr()
+        alignment = tuple([raw[i] & 15 for i in positions])
         kernel = kernels.get(alignment)
         if kernel is None:
             kernels[alignment] = self._launch_jit(grid, args, constexprs, num_warps, num_stages)
             return
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *args, *constexprs)
+                   *raw, *constexprs)
 
     def _launch_jit(
         self, grid: tuple[int, int, int], args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int
