@@ -71,6 +71,8 @@ def _compile_piece(
         return PieceCall(name, gm)
     try:
         return _inductor_piece(name, gm, example_inputs)
+    except FullCGError:
+        raise  # fullcg refused something while Inductor traced: the user's error, not Inductor's
     except Exception as exc:
         if not fallbacks.enabled:
             raise

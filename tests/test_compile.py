@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fullcg
@@ -75,17 +76,27 @@ def test_a_piece_inductor_fails_on_runs_as_traced_and_the_split_report_names_it(
     assert any("Inductor failed on submod_0" in m for m in messages)
 
 
-def test_an_inductor_failure_is_not_hidden_when_the_piece_cannot_run_at_all(monkeypatch):
-    # The fallback covers compiler failures only: a piece that cannot run raises as before.
+def test_an_inductor_failure_inside_a_cache_session_propagates_to_the_uncached_retry(monkeypatch):
     import fullcg.backend
 
     monkeypatch.setattr(fullcg.backend, "_inductor_piece", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     fallbacks = fullcg.backend.PieceFallbacks(enabled=False)
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    try:
+    with pytest.raises(RuntimeError, match="^boom$"):  # fallbacks off (inside a cache session): it propagates
         fullcg.backend._compile_piece("p", gm, [torch.ones(1, 2)], "inductor", fallbacks)
-    except RuntimeError as exc:
-        assert str(exc) == "boom"
-    else:
-        raise AssertionError("with fallbacks off (inside a cache session) the error must propagate")
+    assert dict(fallbacks) == {}
+
+
+def test_fullcg_errors_raised_while_inductor_traces_are_not_taken_for_compiler_failures(monkeypatch):
+    import fullcg.backend
+    from fullcg.errors import InvalidConfigError
+
+    def refusing(*args):
+        raise InvalidConfigError("skip-softmax factor out of range")
+
+    monkeypatch.setattr(fullcg.backend, "_inductor_piece", refusing)
+    fallbacks = fullcg.backend.PieceFallbacks(enabled=True)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(InvalidConfigError):  # the user's error, not a traced piece
+        fullcg.backend._compile_piece("p", gm, [torch.ones(1, 2)], "inductor", fallbacks)
     assert dict(fallbacks) == {}
