@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -214,13 +215,30 @@ def _token_layout(
     return InputStager(token_args, size_args, buffers), token_outputs
 
 
+#: Python's in-place operators (``x += y`` traces to ``operator.iadd``) and item assignment.
+_IN_PLACE_OPERATORS = frozenset(
+    getattr(operator, name) for name in dir(operator)
+    if name.startswith("i") and (name[1:] in dir(operator) or name[1:] + "_" in dir(operator))
+) | {operator.setitem, operator.delitem}
+
+
 def _keeps(node: torch.fx.Node) -> bool:
-    """Whether dead-code elimination must keep ``node``: fullcg's ops write the KV cache
-    and their outputs in place, whether or not anything reads their results."""
+    """Whether dead-code elimination must keep ``node`` although nothing reads its result.
+
+    FX's own test calls a method pure, so it would drop an unused ``cache.index_copy_(...)``
+    (a write the model relies on). Only calls that cannot write anything go: no in-place
+    method or operator (a trailing ``_``), no ``out=``, no mutable schema, nothing FX
+    knows as effectful. fullcg's ops always stay: they write the KV cache and their outputs.
+    """
+    if node.op not in ("call_function", "call_method") or node.is_impure() or "out" in node.kwargs:
+        return True
     target = node.target
-    return node.is_impure() or (
-        node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "fullcg"
-    )
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace == "fullcg"
+    if target in _IN_PLACE_OPERATORS:
+        return True
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 def _variant_graph(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.GraphModule:

@@ -236,3 +236,38 @@ def test_pieces_compile_from_the_inputs_dynamo_recorded_without_a_second_fake_ru
     eager, comp = _models()
     worst, _ = run_side_by_side(eager, comp, torch.compile(comp, backend=Backend(config)), config)
     assert worst < 1e-4
+
+
+class _WritesBuffers(torch.nn.Module):
+    """A model whose writes to its own buffers are never read in the step: in-place methods,
+    item assignment, ``out=`` and ``+=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = LlamaModel(LlamaConfig.tiny())
+        self.model.allocate_kv_cache(num_pages=64, page_size=4)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("seen", torch.zeros(64))
+        self.register_buffer("total", torch.zeros(()))
+        self.register_buffer("last", torch.zeros(()))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        self.seen[positions] = 1.0
+        torch.add(self.steps, 1.0, out=self.last)
+        total = self.total
+        total += positions.sum()
+        return self.model(input_ids, positions)
+
+
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full"])
+def test_dead_code_removal_keeps_writes_whose_results_are_unused(graph_mode):
+    torch._dynamo.reset()
+    module = _WritesBuffers()
+    compiled = fullcg.compile(module, compiler="eager", graph_mode=graph_mode)
+    md = fullcg.AttentionMetadata.build([5], [0], torch.arange(16, dtype=torch.int32)[None], 4)
+    with torch.inference_mode(), fullcg.forward_context(md, module.model):
+        compiled(torch.arange(5), torch.arange(5))
+    assert module.steps.item() == 1 and module.last.item() == 2
+    assert module.seen[:5].tolist() == [1.0] * 5 and module.seen[5:].sum() == 0
+    assert module.total.item() == 10
