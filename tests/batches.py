@@ -143,26 +143,46 @@ def side_by_side(
     max_new_tokens: int,
     prefill_chunk: int = 1 << 30,
     prefix_chunk_tokens: int = 4096,
+    num_pages: int = 64,
+    page_size: int = 4,
+    device: str = "cpu",
+    eager_config: fullcg.FullCGConfig | None = None,
+    relative: bool = False,
 ) -> tuple[float, list[set[str]]]:
     """Drive an eager model and a compiled copy through the same steps (both follow the eager
-    model's greedy tokens); the largest logit difference and each step's forward modes."""
+    model's greedy tokens); the largest logit difference (relative to the eager logits' largest
+    magnitude with ``relative``) and each step's forward modes. The eager model runs under
+    ``eager_config`` (default ``config``)."""
     from fullcg.models.generate import Scheduler
 
     s_eager, s_comp = (
-        Scheduler(prompts, max_new_tokens, num_pages=64, page_size=4, prefill_chunk=prefill_chunk,
-                  prefix_chunk_tokens=prefix_chunk_tokens)
+        Scheduler(prompts, max_new_tokens, num_pages=num_pages, page_size=page_size, prefill_chunk=prefill_chunk,
+                  prefix_chunk_tokens=prefix_chunk_tokens, device=device)
         for _ in range(2)
     )
     worst, modes = 0.0, []
     with torch.inference_mode():
         while (step := s_eager.next_step()) is not None:
             step_c = s_comp.next_step()
-            with fullcg.forward_context(step.metadata, eager, config=config):
+            with fullcg.forward_context(step.metadata, eager, config=eager_config or config):
                 expected = eager(step.input_ids, step.positions)
             with fullcg.forward_context(step_c.metadata, compiled_model, config=config):
                 got = compiled_fn(step_c.input_ids, step_c.positions)
-            worst = max(worst, (expected - got).abs().max().item())
+            diff = (expected.float() - got.float()).abs().max().item()
+            worst = max(worst, diff / expected.float().abs().max().item() if relative else diff)
             modes.append({m.value for m in step.modes})
             s_eager.commit(step, expected)
             s_comp.commit(step_c, expected)
     return worst, modes
+
+
+def cuda_side_by_side(eager, model, run, config, prompts, *, prefill_chunk: int = 16,
+                      max_new_tokens: int = 6) -> tuple[float, int]:
+    """:func:`side_by_side` as the GPU tests run it: 128 pages of 16 on the GPU, 32-token
+    prefix chunks, the eager model without CUDA graphs; (worst relative difference, steps)."""
+    worst, modes = side_by_side(
+        eager, model, run, config, prompts, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+        prefix_chunk_tokens=32, num_pages=128, page_size=16, device="cuda",
+        eager_config=config.replace(graph_mode="none"), relative=True,
+    )
+    return worst, len(modes)

@@ -14,6 +14,7 @@ import torch
 import fullcg
 from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
+from batches import cuda_side_by_side
 
 pytestmark = [
     pytest.mark.cuda,
@@ -37,26 +38,8 @@ def _pair(size: str, chunked_prefix: bool = False, dtype=torch.bfloat16):
 
 
 def _run(eager, model, compiled_fn, config, *, prefill_chunk=16, max_new_tokens=6):
-    scheds = [
-        Scheduler(PROMPTS, max_new_tokens, num_pages=128, page_size=16, prefill_chunk=prefill_chunk,
-                  prefix_chunk_tokens=32, device="cuda")
-        for _ in range(2)
-    ]
-    eager_config = config.replace(graph_mode="none")
-    worst, steps = 0.0, 0
-    with torch.inference_mode():
-        while (step := scheds[0].next_step()) is not None:
-            step_c = scheds[1].next_step()
-            with fullcg.forward_context(step.metadata, eager, config=eager_config):
-                want = eager(step.input_ids, step.positions).float()
-            with fullcg.forward_context(step_c.metadata, model, config=config):
-                got = compiled_fn(step_c.input_ids, step_c.positions).float()
-            scale = want.abs().max().item()
-            worst = max(worst, (want - got).abs().max().item() / scale)
-            steps += 1
-            scheds[0].commit(step, want)
-            scheds[1].commit(step_c, want)
-    return worst, steps
+    return cuda_side_by_side(eager, model, compiled_fn, config, PROMPTS, prefill_chunk=prefill_chunk,
+                             max_new_tokens=max_new_tokens)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -22,7 +22,7 @@ from fullcg.context import num_prefix_chunks
 from fullcg.eager_capture import EagerCaptureModel, SegmentedGraph
 from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
-from batches import side_by_side
+from batches import cuda_side_by_side, side_by_side
 from emulated_graphs import EmulatedGraphs
 from serving import ServingLoop, play_side_by_side
 
@@ -362,25 +362,7 @@ def _cuda_pair(chunked: bool = False) -> tuple[LlamaModel, LlamaModel]:
 
 
 def _cuda_run(eager, model, run, config, *, prefill_chunk: int = 16) -> tuple[float, int]:
-    scheds = [
-        Scheduler(PROMPTS, 6, num_pages=128, page_size=16, prefill_chunk=prefill_chunk, prefix_chunk_tokens=32,
-                  device="cuda")
-        for _ in range(2)
-    ]
-    eager_config = config.replace(graph_mode="none")
-    worst, steps = 0.0, 0
-    with torch.inference_mode():
-        while (step := scheds[0].next_step()) is not None:
-            step_c = scheds[1].next_step()
-            with fullcg.forward_context(step.metadata, eager, config=eager_config):
-                want = eager(step.input_ids, step.positions).float()
-            with fullcg.forward_context(step_c.metadata, model, config=config):
-                got = run(step_c.input_ids, step_c.positions).float()
-            worst = max(worst, ((want - got).abs().max() / want.abs().max()).item())
-            steps += 1
-            scheds[0].commit(step, want)
-            scheds[1].commit(step_c, want)
-    return worst, steps
+    return cuda_side_by_side(eager, model, run, config, PROMPTS, prefill_chunk=prefill_chunk)
 
 
 @pytest.mark.cuda
