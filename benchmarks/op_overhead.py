@@ -1,6 +1,6 @@
 """Host time of one breakable attention call: what piecewise steps pay per layer.
 
-    python benchmarks/op_overhead.py                  # CPU: an implementation that does nothing
+    python benchmarks/op_overhead.py                  # CPU: a no-op implementation, and triton's with launches stubbed
     python benchmarks/op_overhead.py --device cuda    # GPU: the triton kernels, 8B layer shape
     python benchmarks/op_overhead.py --device cuda --json out.json
     python benchmarks/op_overhead.py --device cuda --step-layers 4   # + host time of compiled steps
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
+import os
 import statistics
 import time
 
@@ -154,7 +156,36 @@ def cpu(args: argparse.Namespace) -> dict:
         with fullcg.forward_context(md, layer, config=config):
             pass
 
-    return {"host_us_per_call_noop_impl": layer_us, "forward_context_enter_exit_us": per_call_us(enter_and_leave, 2000, 5)}
+    return {"host_us_per_call_noop_impl": layer_us, "forward_context_enter_exit_us": per_call_us(enter_and_leave, 2000, 5),
+            **triton_host_work(args)}
+
+
+def triton_host_work(args: argparse.Namespace) -> dict:
+    """fullcg's own host work per call of the triton implementation, on the CPU: its kernel
+    launches replaced by no-ops (``TRITON_INTERPRET=1`` lets it take CPU tensors), so what is
+    measured is planning, memo lookups, argument assembly and dispatch; the GPU figure less
+    this one is what the launches themselves cost. 8B layer shape, decode."""
+    if importlib.util.find_spec("triton") is None:
+        return {"host_us_per_call_triton_launches_stubbed": None}
+    os.environ["TRITON_INTERPRET"] = "1"  # read when triton and the launcher are first imported
+    from fullcg.ops.kernels import launch
+
+    launch._INTERPRET = False  # take the planned-launch path ...
+    launch.Launcher.launch_keyed = lambda self, *a, **k: None  # ... and launch nothing
+    launch.Launcher.__call__ = lambda self, *a, **k: None
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    layer = fullcg.Attention(heads, dim, kv_heads, layer_id=0)
+    pages = -(-(args.context + 1) // page)
+    layer.allocate_kv_cache(args.batch * pages + 4, page, dtype=torch.bfloat16)
+    table = torch.arange(args.batch * pages, dtype=torch.int32).view(args.batch, pages)
+    md = fullcg.AttentionMetadata.build([1] * args.batch, [args.context] * args.batch, table, page)
+    q = torch.randn(args.batch, heads, dim, dtype=torch.bfloat16)
+    k = torch.randn(args.batch, kv_heads, dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    config = fullcg.FullCGConfig(attention_impl="triton")
+    with torch.inference_mode(), _step_context(md, layer, config):
+        return {"host_us_per_call_triton_launches_stubbed": per_call_us(lambda: layer(q, k, v), n=200,
+                                                                        repeats=args.repeats)}
 
 
 def main() -> None:
