@@ -62,6 +62,18 @@ def _step_context(md, layer, config):
     return fullcg.forward_context(md, layer, config=config, breakable=True)
 
 
+def _split_point_call(layer, q, k, v, out):
+    """The call a compiled piecewise step makes at a split point: the breakable op's Python
+    kernel, called directly (no dispatcher, no module) with the attributes traced into the
+    graph; None where this fullcg has no such table."""
+    ops = importlib.import_module("fullcg.ops.attention")  # the package's `attention` is the op itself
+    kernel = getattr(ops, "EAGER_KERNELS", {}).get(ops.breakable_attention)
+    if kernel is None:
+        return None
+    uid = layer.kv_cache.uid if hasattr(layer.kv_cache, "uid") else 0
+    return lambda: kernel(q, k, v, out, layer.layer_id, None, None, None, layer.scale, True, True, None, True, uid)
+
+
 def gpu(args: argparse.Namespace) -> dict:
     dev = torch.device("cuda")
     heads, kv_heads, dim, page = 32, 8, 128, 16
@@ -79,8 +91,13 @@ def gpu(args: argparse.Namespace) -> dict:
     out = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "batch": args.batch,
            "context": args.context, "shape": f"{heads}q/{kv_heads}kv heads, head dim {dim}, bf16, page {page}"}
     with torch.inference_mode(), _step_context(md, layer, config):
-        call = lambda: layer(q, k, v)  # noqa: E731
+        layer_call = lambda: layer(q, k, v)  # noqa: E731
+        split_call = _split_point_call(layer, q, k, v, torch.empty_like(q))
+        call = split_call or layer_call
+        # What a piecewise step pays per layer (the split-point call), and an eager model's
+        # call through the module and the dispatcher.
         out["host_us_per_call"] = per_call_us(call, n=20, repeats=args.repeats, sync=torch.cuda.synchronize)
+        out["host_us_per_layer_call"] = per_call_us(layer_call, n=20, repeats=args.repeats, sync=torch.cuda.synchronize)
         call()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -184,8 +201,10 @@ def triton_host_work(args: argparse.Namespace) -> dict:
     v = torch.randn_like(k)
     config = fullcg.FullCGConfig(attention_impl="triton")
     with torch.inference_mode(), _step_context(md, layer, config):
-        return {"host_us_per_call_triton_launches_stubbed": per_call_us(lambda: layer(q, k, v), n=200,
-                                                                        repeats=args.repeats)}
+        split_call = _split_point_call(layer, q, k, v, torch.empty_like(q)) or (lambda: layer(q, k, v))
+        return {"host_us_per_call_triton_launches_stubbed": per_call_us(split_call, n=200, repeats=args.repeats),
+                "host_us_per_layer_call_triton_launches_stubbed": per_call_us(lambda: layer(q, k, v), n=200,
+                                                                              repeats=args.repeats)}
 
 
 def main() -> None:

@@ -31,6 +31,14 @@ class KVCache:
     compiled: bool = dataclasses.field(init=False, repr=False, default=False)
     #: Made under ``torch.inference_mode``: it can only be written inside it.
     is_inference: bool = dataclasses.field(init=False, repr=False)
+    #: What the attention ops last checked this cache against (heads, dims, dtype, device,
+    #: page size): a call shaped like that needs no new check. Cleared when k or v is replaced.
+    fit: tuple[object, ...] | None = dataclasses.field(init=False, repr=False, default=None)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("k", "v"):
+            object.__setattr__(self, "fit", None)
+        object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
         self.uid = next(_uids)

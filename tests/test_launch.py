@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -29,13 +30,15 @@ def test_keys_tell_apart_every_int_value_dtype_and_alignment_but_not_float_value
     assert a != static_key((t, 128, 0.5), (16, True), 4, 2) and a != static_key((t, 64, 0.5), (32, True), 4, 2)
 
 
-def test_launchers_know_the_constexpr_parameters_of_the_decode_kernels():
-    split = decode_kernels._SPLIT
-    assert split.constexpr_names == (
-        "GROUP", "BLOCK_M", "BLOCK_N", "SPLIT_TILES", "HEAD_D", "HEAD_DV", "PAGED", "PAGE_SIZE", "SKIP", "DOT_F32",
+def test_launchers_know_the_constexpr_parameters_of_the_decode_kernel():
+    decode = decode_kernels._DECODE
+    assert decode.constexpr_names == (
+        "GROUP", "BLOCK_M", "BLOCK_N", "SPLIT_TILES", "BLOCK_S", "HEAD_D", "HEAD_DV", "PAGED", "PAGE_SIZE", "SKIP",
+        "DOT_F32", "SAVE",
     )
-    assert split._key_fns[-1] is _unspecialised_key, "num_splits is marked do_not_specialize"
-    assert isinstance(decode_kernels._MERGE, Launcher)
+    names = list(inspect.signature(decode.fn.fn).parameters)
+    for count in ("num_splits", "num_requests", "num_rows"):
+        assert decode._key_fns[names.index(count)] is _unspecialised_key, f"{count} is marked do_not_specialize"
 
 
 class _FakeCompiled:
@@ -51,7 +54,7 @@ class _FakeCompiled:
 def test_a_planned_launch_calls_the_compiled_kernel_directly_and_recompiles_for_another_alignment(monkeypatch):
     import fullcg.ops.kernels.launch as launch
 
-    launcher = Launcher(decode_kernels._MERGE.fn)
+    launcher = Launcher(decode_kernels._DECODE.fn)
     jit_launches = []
 
     def fake_jit(grid, args, constexprs, num_warps, num_stages):
@@ -83,3 +86,56 @@ def test_a_planned_launch_calls_the_compiled_kernel_directly_and_recompiles_for_
     assert unplanned.runs[-1][9:] == (buf[8:16].data_ptr(), 3, 0.25, 16), "the unplanned path passes addresses too"
     unplanned = launcher._compiled[next(iter(launcher._compiled))]
     assert unplanned.runs[0][3] == 1234, "the unplanned path launches on the current device's stream"
+
+
+def _run_only_launcher(launch_calls: list) -> object:
+    """A stand-in compiled kernel whose ``run`` has no scratch memory and a C entry point."""
+
+    class Run:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, False
+
+        def __call__(self, *args) -> None:
+            raise AssertionError("a planned launch calls the C entry point, not Triton's wrapper")
+
+        def launch(self, *args) -> None:
+            launch_calls.append(args)
+
+    class Compiled:
+        function, packed_metadata = "fn-handle", "meta"
+        run = Run()
+
+    return Compiled()
+
+
+def test_a_planned_launch_passes_only_addresses_once_compiled_and_falls_back_for_unaligned_tensors(monkeypatch):
+    import fullcg.ops.kernels.launch as launch
+
+    launcher = Launcher(decode_kernels._DECODE.fn)
+    jit_launches, c_launches = [], []
+
+    def fake_jit(grid, args, constexprs, num_warps, num_stages):
+        jit_launches.append(args)
+        return _run_only_launcher(c_launches)
+
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    monkeypatch.setattr(launcher, "_launch_jit", fake_jit)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    buf, meta = torch.zeros(64), torch.zeros(8, dtype=torch.int32)
+    tail = (meta, 5, 0.5)
+    key = static_key((buf, buf) + tail, (16,), 4, 2)
+    device = torch.device("cuda", 0)  # only its index is read: nothing touches a GPU here
+    first = launcher.plan((3, 1, 1), 2, tail, (16,), 4, 2, key, device)
+    first(buf[:8], buf[8:16])
+    assert len(jit_launches) == 1 and not c_launches, "the first launch compiles through Triton, with tensors"
+    first(buf[16:24], buf[24:32])
+    assert c_launches[-1] == (3, 1, 1, 77, "fn-handle", False, False, None, None, "meta", None, None, None,
+                              buf[16:24].data_ptr(), buf[24:32].data_ptr(), meta.data_ptr(), 5, 0.5, 16)
+    # A plan made later (the next step) finds the compiled kernel at once.
+    again = launcher.plan((3, 1, 1), 2, tail, (16,), 4, 2, key, device)
+    again(buf[:8], buf[8:16])
+    assert len(jit_launches) == 1 and len(c_launches) == 2
+    again(buf[1:9], buf[8:16])
+    assert len(jit_launches) == 2 and len(c_launches) == 2, "an unaligned tensor is another specialisation"

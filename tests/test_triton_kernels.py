@@ -10,6 +10,7 @@ results, LSE, tiles visited and tiles skipped must all agree.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 
 import pytest
@@ -379,3 +380,104 @@ def test_decode_replays_under_cuda_graph_capture_with_counters():
     stats = telemetry.skip_softmax_stats()[b.layer.layer_id]
     assert stats.decode_visited == 2 * ref_stats.decode_visited, "each replay adds its tiles to the counters"
     assert abs(stats.decode_skipped - 2 * ref_stats.decode_skipped) <= 4
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-run", "three-runs"])
+def test_decode_only_steps_write_the_new_kv_inside_the_decode_kernel(monkeypatch, splits):
+    # The decode kernel's last run of each request puts the request's new token into the
+    # cache before reading it; no separate save launch runs. Poisoned slots prove the write.
+    monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: splits * 3)
+    b = batch("decode")
+    cache, slots = b.layer.kv_cache, b.metadata.slot_mapping.long()
+    expected_out, expected_lse = oracle_cpu(b)
+    for pages in (cache.k, cache.v):
+        pages.view(-1, *pages.shape[2:])[slots] = float("nan")
+    saves = []
+    monkeypatch.setattr(fullcg.ops.impl.triton, "save_new_kv", lambda *a: saves.append(a))
+    out, lse, _ = run(b, "triton", SkipSoftmaxConfig(**TILES))
+    assert not saves, "decode-only steps need no save launch"
+    assert torch.equal(cache.k.view(-1, *cache.k.shape[2:])[slots], b.k)
+    assert torch.equal(cache.v.view(-1, *cache.v.shape[2:])[slots], b.v)
+    torch.testing.assert_close(out.double().cpu(), expected_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=2e-5, rtol=1e-4)
+
+
+def test_runs_merged_in_the_decode_kernel_leave_its_arrival_counts_at_zero():
+    # The last program to finish a request's runs merges them and resets the count, so one
+    # workspace serves every layer of a step and every replay of a graph.
+    b = batch("decode")
+    md, cache = b.metadata, b.layer.kv_cache
+    workspace: dict = {}
+    out, lse = torch.empty_like(b.q), torch.empty(b.q.shape[:2], device=DEVICE)
+    options = dict(query_start_loc=md.query_start_loc, is_decode=md.is_decode, scale=b.layer.scale, factor=None,
+                   tile_kv=TILES["tile_kv"], split_tiles=None, max_kv_len=md.page_table.shape[1] * cache.page_size,
+                   page_table=md.page_table, seq_lens=md.seq_lens, num_splits=4, workspace=workspace)
+    ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
+    for _ in range(2):
+        out.fill_(float("nan"))
+        decode_attention(b.q, cache.k, cache.v, out, lse, None, **options)
+        torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+        (arrivals,) = [parts[2] for parts in workspace.values()]
+        assert not arrivals.any(), "every arrival count is reset by the program that merged"
+
+
+def test_compiled_steps_bind_and_check_the_first_call_of_each_shape_only(monkeypatch):
+    # Later layers of a compiled step run the plan the first one left; a layer whose cache
+    # is not its own still goes the checked way and is refused.
+    from fullcg.context import derived_context
+
+    ops = importlib.import_module("fullcg.ops.attention")  # the package's `attention` is the op
+    layers = [batch("decode").layer for _ in range(3)]
+    b = batch("decode")
+    for i, layer in enumerate(layers):
+        layer.layer_id = i
+    model = torch.nn.ModuleList(layers)
+    binds = []
+    real_bind = ops._bind
+    monkeypatch.setattr(ops, "_bind", lambda *a: binds.append(a[0]) or real_bind(*a))
+    kernel = ops.EAGER_KERNELS[ops.breakable_attention]
+    cfg = FullCGConfig(attention_impl="triton", skip_softmax=SkipSoftmaxConfig(**TILES))
+    outs = []
+    for step in range(2):
+        binds.clear()
+        with fullcg.forward_context(b.metadata, model, config=cfg) as user, \
+                derived_context(user, config=cfg, variant="piecewise", padded_size=None):
+            for layer in layers:
+                out = torch.empty_like(b.q)
+                kernel(b.q, b.k, b.v, out, layer.layer_id, None, None, None, layer.scale, True, True, None, True,
+                       layer.kv_cache.uid)
+                outs.append(out)
+            if step == 1:
+                assert len(binds) == 1, "the second step checks each cache once, then plans once"
+                with pytest.raises(RuntimeError, match="owns KV cache"):
+                    kernel(b.q, b.k, b.v, torch.empty_like(b.q), 0, None, None, None, layers[0].scale, True, True,
+                           None, True, layers[1].kv_cache.uid)
+    ref_out, _, _ = run(batch("decode"), "reference", SkipSoftmaxConfig(**TILES))
+    for out in outs:
+        torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("heads", [(64, 4), (32, 8)], ids=["64q4kv", "32q8kv"])
+def test_runs_merged_in_one_launch_give_the_same_bits_every_time_on_gpu(heads):
+    # Hundreds of programs race to be the last run of their request: a missing barrier or
+    # fence would show as results that change between launches on the same inputs.
+    torch.manual_seed(0)
+    lens = torch.randint(1, 9000, (48,)).tolist()
+    b = _big_batch([1] * len(lens), lens, *heads, seed=3)
+    md, cache = b.metadata, b.layer.kv_cache
+    options = dict(query_start_loc=md.query_start_loc, is_decode=md.is_decode, scale=b.layer.scale, factor=None,
+                   tile_kv=64, split_tiles=None, max_kv_len=md.page_table.shape[1] * cache.page_size,
+                   page_table=md.page_table, seq_lens=md.seq_lens, num_splits=64, workspace={})
+    first_out, first_lse = torch.empty_like(b.q), torch.empty(b.q.shape[:2], device=DEVICE)
+    decode_attention(b.q, cache.k, cache.v, first_out, first_lse, None, **options)
+    expected_out, expected_lse = oracle_cpu(b)
+    torch.testing.assert_close(first_out.double().cpu(), expected_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(first_lse.double().cpu(), expected_lse, atol=1e-3, rtol=1e-3)
+    out, lse = torch.empty_like(first_out), torch.empty_like(first_lse)
+    for _ in range(50):
+        out.fill_(float("nan"))
+        decode_attention(b.q, cache.k, cache.v, out, lse, None, **options)
+        assert torch.equal(out, first_out) and torch.equal(lse, first_lse)

@@ -79,6 +79,7 @@ ATTRIBUTE_SCHEMA = (
 )
 ATTRIBUTE_NAMES = tuple(part.split("=")[0].split()[-1] for part in ATTRIBUTE_SCHEMA.split(", "))
 _ATTRIBUTE_DEFAULTS = (None, None, None, None, True, True, None, None, 0)  # all but layer_id
+_NUM_ATTRIBUTES = len(ATTRIBUTE_NAMES)
 
 
 def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple) -> AttentionCall:
@@ -113,9 +114,20 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
     """Define one of the four attention ops; they differ only in name, tags and result."""
 
     def kernel(q, k, v, out, *attrs):
-        call = _bind(name, return_lse, q, k, v, out, attrs)
         ctx = current_context()
-        # Compiled steps were checked once by the fake at trace time, with these shapes.
+        # Compiled steps were checked once by the fake at trace time, with these shapes; the
+        # first call of each shape in a step leaves a plan that later calls (the other layers)
+        # run directly, checking only that the layer's cache is its own and fits.
+        plan_key = None
+        if ctx is not None and ctx.compiled and len(attrs) == _NUM_ATTRIBUTES and not ctx.config.debug_checks:
+            plan_key = (name, attrs[1:-1], q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride())
+            planned = ctx.memo.get(plan_key)
+            if planned is not None:
+                plan, fit = planned
+                cache = ctx.kv_caches.get(attrs[0]) if fit is not None else None
+                if fit is None or (cache is not None and cache.uid == attrs[-1] and cache.fit is fit):
+                    return plan(q, k, v, out, cache, attrs[0])
+        call = _bind(name, return_lse, q, k, v, out, attrs)
         if ctx is None or not ctx.compiled or ctx.config.debug_checks:
             check_tensors(call)
             check_no_overlap(call)
@@ -128,6 +140,10 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
         lse = impl.forward(call, ctx, cache if call.use_kv_cache else None)
         if return_lse and lse is None:
             raise RuntimeError(f"attention implementation {impl.name!r} returned no LSE for fullcg.{name}")
+        if plan_key is not None and call.kv_cache_id and plan_key not in ctx.memo:
+            plan = impl.step_plan(call, ctx, cache)
+            if plan is not None:
+                ctx.memo[plan_key] = (plan, cache.fit if cache is not None else None)
         return lse if return_lse else None
 
     def fake(q, k, v, out, *attrs):

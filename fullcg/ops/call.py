@@ -242,4 +242,13 @@ def _check_cache(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None
         ctx.memo["fallback"] = True  # once per step
         telemetry.count_fallback(ctx.source)
     ctx.memo[("cache_ok", call.layer_id)] = cache
+    cache.fit = _fits.setdefault(
+        (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.k.dtype, cache.k.device, md.page_size),
+        (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.k.dtype, cache.k.device, md.page_size),
+    )
     return cache
+
+
+# One object per distinct fit, so "this cache passed the checks for calls like this one"
+# is an identity test on the per-layer path.
+_fits: dict[tuple[object, ...], tuple[object, ...]] = {}

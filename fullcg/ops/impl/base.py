@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -13,7 +13,17 @@ if TYPE_CHECKING:
     from fullcg.kv_cache import KVCache
     from fullcg.ops.call import AttentionCall
 
-__all__ = ["AttentionImpl"]
+__all__ = ["AttentionImpl", "StepPlan"]
+
+
+class StepPlan(Protocol):
+    """Runs every later call of a step shaped like the one it was made for (same attributes
+    but the layer, same tensor shapes and strides), for any layer: saves the new k/v where
+    the call saves, attends, returns LSE iff the call asks for it. ``cache`` is the layer's
+    own KV cache (checked by the caller) or None when the call uses none."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cache: KVCache | None,
+                 layer_id: int) -> torch.Tensor | None: ...
 
 
 class AttentionImpl:
@@ -46,6 +56,13 @@ class AttentionImpl:
         """Write the batch's new k/v into the layer's cache (``metadata.slot_mapping``; slots
         < 0 are padding and skipped). Runs before :meth:`forward` whenever ``call.save_kv_cache``."""
         torch_ops.save_new_kv(call.k, call.v, ctx.metadata, cache)
+
+    def step_plan(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> StepPlan | None:
+        """A :class:`StepPlan` for calls like ``call`` in compiled steps, made after ``call``
+        itself ran through :meth:`save_kv` and :meth:`forward`; the ops then skip the per-call
+        binding and checks for the rest of the step (the fake checked the shapes at trace
+        time). The default, None, runs every call through :meth:`save_kv` and :meth:`forward`."""
+        return None
 
     def supports(self, head_dim: int, v_head_dim: int) -> bool:
         """Whether the kernels take these head dims; ``attention_impl="auto"`` passes over

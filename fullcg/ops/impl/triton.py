@@ -24,7 +24,7 @@ from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
 from fullcg.ops.impl.base import AttentionImpl
-from fullcg.ops.kernels.save_kv import save_new_kv
+from fullcg.ops.kernels.save_kv import SaveLaunch, plan_save, save_new_kv
 from fullcg.ops.kernels.decode import DecodeLaunch, plan_decode
 from fullcg.ops.kernels.prefill import PrefillLaunch, plan_prefill
 
@@ -57,7 +57,8 @@ def _check_supported(call: AttentionCall, ctx: ForwardContext, cache: KVCache | 
 
 class _Step:
     """What every attention call of one step shares: the metadata tensors on the device,
-    host facts of the batch, and the decode workspace (see ``decode_attention``)."""
+    host facts of the batch, the decode workspace (see ``decode_attention``) and the
+    launches planned for each call shape."""
 
     def __init__(self, ctx: ForwardContext, device: torch.device) -> None:
         md = ctx.metadata
@@ -68,15 +69,54 @@ class _Step:
         self.seq_lens = md.seq_lens.to(device)
         self.prefix_lens = md.prefix_lens_tensor.to(device)
         self.num_tokens = md.num_tokens_tensor.to(device)
+        self.slot_mapping = md.slot_mapping.to(device)
         # A graph captured for a batch that is not decode-only may be replayed for any mix,
         # so it holds both kernels (each skips the other's requests on the device).
         self.capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         self.decode_only = md.is_decode_only
         self.has_decode = self.capturing or md.has_decode
-        self.workspace: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.workspace: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
         self.lse: dict[tuple[int, int], torch.Tensor] = {}
-        self.launches: dict[tuple[object, ...], tuple[PrefillLaunch | None, DecodeLaunch]] = {}
+        self.plans: dict[tuple[object, ...], _CallPlan] = {}
         self.checked: set[tuple[object, ...]] = set()
+
+
+def _step(ctx: ForwardContext, device: torch.device) -> _Step:
+    step = ctx.memo.get(_Step)
+    if step is None or step.device != device:
+        step = ctx.memo[_Step] = _Step(ctx, device)
+    return step
+
+
+def _saves_in_decode(call: AttentionCall, step: _Step) -> bool:
+    """Whether the decode kernel writes the new k/v itself: a decode-only batch over the
+    cache, where each request's one new key is read by exactly one program (its last run)."""
+    return call.use_kv_cache and step.decode_only
+
+
+class _CallPlan:
+    """The launches of one step for calls of one shape, any layer (a :class:`StepPlan`)."""
+
+    __slots__ = ("save", "prefill", "decode", "lse", "return_lse", "skip", "use_cache", "device")
+
+    def __init__(self, save: SaveLaunch | None, prefill: PrefillLaunch | None, decode: DecodeLaunch,
+                 lse: torch.Tensor | None, skip: bool, use_cache: bool, device: torch.device) -> None:
+        self.save, self.prefill, self.decode = save, prefill, decode
+        self.lse, self.return_lse, self.skip, self.use_cache, self.device = lse, lse is None, skip, use_cache, device
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cache: KVCache | None,
+                 layer_id: int) -> torch.Tensor | None:
+        # Every row of lse is written: by the kernels for real rows, as -inf for padding.
+        # Nobody reads it unless asked for, so those calls share one buffer per step.
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=self.device) if self.return_lse else self.lse
+        counters = telemetry.counters(layer_id, self.device) if self.skip else None
+        if self.save is not None:
+            self.save(k, v, cache.k, cache.v)
+        kc, vc = (cache.k, cache.v) if self.use_cache else (k, v)
+        if self.prefill is not None:
+            self.prefill(q, kc, vc, out, lse, counters)
+        self.decode(q, kc, vc, out, lse, counters, k, v)
+        return lse if self.return_lse else None
 
 
 class TritonAttention(AttentionImpl):
@@ -86,59 +126,59 @@ class TritonAttention(AttentionImpl):
     capture_safe = True
 
     def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
-        """New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe)."""
-        save_new_kv(call, ctx, cache)
+        """New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe);
+        in decode-only batches over the cache, by the decode kernel itself."""
+        if not _saves_in_decode(call, _step(ctx, call.q.device)):
+            save_new_kv(call, ctx, cache)
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""
-        q, out = call.q, call.out
-        dev = q.device
-        step = ctx.memo.get(_Step)
-        if step is None or step.device != dev:
-            step = ctx.memo[_Step] = _Step(ctx, dev)
+        # save_kv left the new k/v to the decode kernel where it can write them itself.
+        fused = call.save_kv_cache and _saves_in_decode(call, _step(ctx, call.q.device))
+        plan = self._call_plan(call, ctx, cache, cache if fused else None)
+        return plan(call.q, call.k, call.v, call.out, cache, call.layer_id)
+
+    def step_plan(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> _CallPlan:
+        """The launches of this step for calls shaped like ``call``, the k/v save included
+        (``cache``: the layer's own, whether the call attends over it or only saves to it)."""
+        return self._call_plan(call, ctx, cache if call.use_kv_cache else None,
+                               cache if call.save_kv_cache else None)
+
+    def _call_plan(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None,
+                   save_to: KVCache | None) -> _CallPlan:
+        q = call.q
+        step = _step(ctx, q.device)
         support_key = (q.shape[2], call.v.shape[2], q.dtype, cache.k.dtype if cache is not None else None)
         if support_key not in step.checked:
             _check_supported(call, ctx, cache)
             step.checked.add(support_key)
-        # Every row of lse is written: by the kernels for real rows, as -inf for padding.
-        # Nobody reads it unless asked for, so those calls share one buffer per step.
-        if call.return_lse:
-            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
-        else:
-            lse = step.lse.get(q.shape[:2])
-            if lse is None:
-                lse = step.lse[q.shape[:2]] = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
-        prefill_factor, decode_factor = call.prefill_scale_factor, call.decode_scale_factor
-        counters = (
-            telemetry.counters(call.layer_id, dev)
-            if prefill_factor is not None or decode_factor is not None
-            else None
-        )
+        # Everything the launches derive from besides the layer's own tensors.
+        key = (q.shape, q.stride(), call.out.stride(), call.k.shape, call.k.stride(), call.v.stride(), q.dtype,
+               cache is not None, call.causal, call.prefix_chunk, call.scale, call.prefill_scale_factor,
+               call.decode_scale_factor, call.return_lse, save_to is not None)
+        plan = step.plans.get(key)
+        if plan is None:
+            plan = step.plans[key] = self._plan(call, ctx, step, cache, save_to)
+        return plan
+
+    @staticmethod
+    def _plan(call: AttentionCall, ctx: ForwardContext, step: _Step, cache: KVCache | None,
+              save_to: KVCache | None) -> _CallPlan:
+        """The kernel launches of this step for calls shaped like ``call``: over ``cache``
+        (None: over the given k/v), saving the new k/v into ``save_to`` (None: no save)."""
+        md = ctx.metadata
+        cfg = ctx.config.skip_softmax
+        q, out, dev = call.q, call.out, call.q.device
         if cache is not None:
             k, v = cache.k, cache.v
         else:
             k, v = call.k, call.v
-        # Everything the launches derive from besides the layer's own tensors.
-        key = (q.shape, q.stride(), out.stride(), k.stride(), v.stride(), q.dtype, cache is not None, call.causal,
-               call.prefix_chunk, call.scale, prefill_factor, decode_factor)
-        launches = step.launches.get(key)
-        if launches is None:
-            launches = step.launches[key] = self._plan(call, ctx, step, cache, k, v, lse)
-        prefill, decode = launches
-        if prefill is not None:
-            prefill(q, k, v, out, lse, counters)
-        decode(q, k, v, out, lse, counters)
-        return lse if call.return_lse else None
-
-    @staticmethod
-    def _plan(
-        call: AttentionCall, ctx: ForwardContext, step: _Step, cache: KVCache | None, k: torch.Tensor,
-        v: torch.Tensor, lse: torch.Tensor,
-    ) -> tuple[PrefillLaunch | None, DecodeLaunch]:
-        """The kernel launches of this step for calls shaped like ``call``."""
-        md = ctx.metadata
-        cfg = ctx.config.skip_softmax
-        q, out, dev = call.q, call.out, call.q.device
+        lse = None
+        if not call.return_lse:
+            lse = step.lse.get(q.shape[:2])
+            if lse is None:
+                lse = step.lse[q.shape[:2]] = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
+        lse_like = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
         qloc = step.query_start_loc
         if cache is not None:
             causal = True
@@ -152,24 +192,31 @@ class TritonAttention(AttentionImpl):
             causal = call.causal
             source = dict(kv_start_loc=qloc)
             max_kv_len = q.shape[0]
-        # Which kernels run is a host decision on the batch's modes. The decode merge kernel
-        # always runs: it writes the padding rows (zeros, LSE -inf), reading the real token
-        # count on the device, so a replay with another count is right.
+        fused_save = save_to is not None and _saves_in_decode(call, step)
+        save = None
+        if save_to is not None and not fused_save:
+            save = plan_save(call.k, call.v, step.slot_mapping, save_to.k, save_to.v)
+        # Which kernels run is a host decision on the batch's modes. The decode kernel always
+        # runs: it writes the padding rows (zeros, LSE -inf), reading the real token count on
+        # the device, so a replay with another count is right.
         prefill = None
         if not step.decode_only:
             prefill = plan_prefill(
-                q, k, v, out, lse,
+                q, k, v, out, lse_like,
                 query_start_loc=qloc, is_decode=step.is_decode, scale=call.scale, causal=causal,
                 factor=call.prefill_scale_factor, tile_q=cfg.tile_q, tile_kv=cfg.tile_kv,
                 prefix_lens=step.prefix_lens if cache is not None else None, **source,
             )
         decode = plan_decode(
-            q, k, v, out, lse,
+            q, k, v, out, lse_like,
             query_start_loc=qloc, is_decode=step.is_decode, scale=call.scale, factor=call.decode_scale_factor,
             tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
-            num_tokens=step.num_tokens, has_decode=step.has_decode, workspace=step.workspace, **source,
+            num_tokens=step.num_tokens, has_decode=step.has_decode, workspace=step.workspace,
+            slot_mapping=step.slot_mapping if fused_save else None,
+            new_kv=(call.k, call.v) if fused_save else None, **source,
         )
-        return prefill, decode
+        skip = call.prefill_scale_factor is not None or call.decode_scale_factor is not None
+        return _CallPlan(save, prefill, decode, lse, skip, cache is not None, dev)
 
 
 register_implementation(TritonAttention())

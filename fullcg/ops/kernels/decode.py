@@ -1,10 +1,18 @@
-"""Decode attention: split-KV over the keys, then an LSE-weighted reduction of the splits.
+"""Decode attention: split-KV over the keys, reduced by LSE in the same launch.
 
-A decode request has one query token. One program of the split kernel takes one KV head
-(all ``GROUP`` query heads sharing it, so they share each tile's skip decision), one
-request and one run of its keys; the first tile of every run is never skipped.
-It writes a normalised partial output and its log2 LSE to a workspace, and the merge
-kernel combines a request's runs into ``out`` and the natural-log LSE.
+A decode request has one query token. One program takes one KV head (all ``GROUP``
+query heads sharing it, so they share each tile's skip decision), one request and one
+run of its keys; the first tile of every run is never skipped. A request whose keys fit
+one run is written straight to ``out``. Otherwise each program writes a normalised
+partial output and its log2 LSE to a workspace and counts itself done on a per-(request,
+KV head) semaphore; the last to arrive merges the runs into ``out`` and the natural-log
+LSE and resets the semaphore to zero for the next launch. One launch per layer, where a
+separate merge kernel would cost a second launch's host time between captured pieces.
+
+With ``SAVE`` (decode-only batches attending over the cache), the program whose run
+holds the request's newest key first writes the new token's k/v into the cache slot
+``slot_mapping`` names: the one program that reads that key, so no other launch (and no
+other program) has to order itself after the write.
 
 Dense decode (no skip factor, no configured split) splits every request's keys into a
 fixed *number* of runs, sized on the device from the request's own length: a CUDA graph
@@ -12,9 +20,9 @@ captured against a large cache capacity still spreads a short context over the S
 Skip-softmax decode splits into runs of a fixed number of *tiles* (the skip rule's unit),
 so its grid is sized from the capacity and programs past a request's splits exit at once.
 
-The merge kernel also owns the padding rows of a batch: rows at or past the real token
-count (CUDA-graph stand-in requests) and rows no request owns come out as zeros with LSE
--inf, so callers need no masking pass. Workspace and grids are sized from shapes and fixed
+The kernel also owns the padding rows of a batch: rows at or past the real token count
+(CUDA-graph stand-in requests) and rows no request owns come out as zeros with LSE -inf,
+so callers need no masking pass. Workspace and grids are sized from shapes and fixed
 bounds, so the launch is safe under CUDA graph capture.
 """
 
@@ -26,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.launch import Launcher, raw_stream, static_key
+from fullcg.ops.kernels.launch import Launcher, PlannedLaunch, static_key
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["decode_attention", "plan_decode", "DecodeLaunch", "MAX_DENSE_SPLITS"]
@@ -53,26 +61,53 @@ def _split_tiles(n_tiles, num_splits, SPLIT_TILES: tl.constexpr):
     return tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
 
 
+@triton.jit
+def _store_row(Out, Lse, row, head, offs_dv, o, lse, g_ok, stride_ot, stride_oh, stride_lt):
+    """Row ``row`` (int64) of ``out`` and ``lse`` for the heads ``head``."""
+    tl.store(Out + row * stride_ot + head[:, None] * stride_oh + offs_dv[None, :], o.to(Out.dtype.element_ty),
+             mask=g_ok[:, None])
+    tl.store(Lse + row * stride_lt + head, lse, mask=g_ok)
+
+
+@triton.jit
+def _store_empty_row(Out, Lse, row, head, offs_dv, g_ok, stride_ot, stride_oh, stride_lt,
+                     BLOCK_M: tl.constexpr, HEAD_DV: tl.constexpr):
+    _store_row(Out, Lse, row, head, offs_dv, tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32),
+               tl.full([BLOCK_M], float("-inf"), tl.float32), g_ok, stride_ot, stride_oh, stride_lt)
+
+
 # Counts that change with the batch are not specialised on: no recompile per batch size.
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_split_kernel(
-    Q, K, V, PartOut, PartLse, Ctr,
-    PageTable, QLoc, KvLoc, SeqLens, IsDecode, NumTokens,
-    stride_qt, stride_qh, stride_ps, stride_pr,
+@triton.jit(do_not_specialize=["num_splits", "num_requests", "num_rows"])
+def _decode_kernel(
+    Q, K, V, Out, Lse, Ctr, KNew, VNew,
+    PartOut, PartLse, Sem, Slots, PageTable, QLoc, KvLoc, SeqLens, IsDecode, NumTokens,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_ps, stride_pr,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
-    qk_scale2, factor, num_splits,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
+    qk_scale2, factor, num_splits, num_requests, num_rows, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SKIP: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SKIP: tl.constexpr, DOT_F32: tl.constexpr, SAVE: tl.constexpr,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     req = tl.program_id(2)
-    if tl.load(IsDecode + req) == 0:
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    head = kvh * GROUP + rows
+    offs_d = tl.arange(0, HEAD_D)
+    offs_dv = tl.arange(0, HEAD_DV)
+    if req == num_requests:
+        # The extra program row: padding rows past the last request's (no request owns them).
+        if split == 0:
+            for row in range(tl.load(QLoc + num_requests), num_rows):
+                row64 = tl.zeros([1], dtype=tl.int64) + row
+                _store_empty_row(Out, Lse, row64, head, offs_dv, row_ok, stride_ot, stride_oh, stride_lt,
+                                 BLOCK_M, HEAD_DV)
         return
+    if tl.load(IsDecode + req) == 0:
+        return  # the prefill kernel's request
     q_row = tl.load(QLoc + req).to(tl.int64)
-    if q_row >= tl.load(NumTokens):
-        return  # a padding row: the merge kernel zeroes it
     if PAGED:
         kv_len = tl.load(SeqLens + req)
         kv_start = 0
@@ -81,25 +116,39 @@ def _decode_split_kernel(
         kv_len = tl.load(KvLoc + req + 1) - kv_start
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     split_tiles = _split_tiles(n_tiles, num_splits, SPLIT_TILES)
+    n_splits = tl.cdiv(n_tiles, split_tiles)
+    if (q_row >= tl.load(NumTokens)) | (n_splits == 0):
+        # A stand-in request past the real token count, or no keys at all: zeros, LSE -inf.
+        if split == 0:
+            _store_empty_row(Out, Lse, q_row, head, offs_dv, row_ok, stride_ot, stride_oh, stride_lt,
+                             BLOCK_M, HEAD_DV)
+        return
     first = split * split_tiles
     if first >= n_tiles:
         return
     last = tl.minimum(first + split_tiles, n_tiles)
+    if SAVE:
+        if last == n_tiles:
+            # This run holds the newest key (the request's own token): put it in the cache first.
+            slot = tl.load(Slots + q_row).to(tl.int64)
+            if slot >= 0:
+                dst = (slot // PAGE_SIZE) * stride_kp + (slot % PAGE_SIZE) * stride_ks + kvh.to(tl.int64) * stride_kh
+                k_new = tl.load(KNew + q_row * stride_knt + kvh.to(tl.int64) * stride_knh + offs_d)
+                tl.store(K + dst + offs_d, k_new)
+                dst = (slot // PAGE_SIZE) * stride_vp + (slot % PAGE_SIZE) * stride_vs + kvh.to(tl.int64) * stride_vh
+                v_new = tl.load(VNew + q_row * stride_vnt + kvh.to(tl.int64) * stride_vnh + offs_dv)
+                tl.store(V + dst + offs_dv, v_new)
+            tl.debug_barrier()  # every thread of the program sees the new key before the tiles read it
     # Tiles before the request's last one are full: no mask needed there.
     n_full = tl.minimum(last, kv_len // BLOCK_N)
 
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP
-    head = kvh * GROUP + rows
     # The one query token sees every key (it is the newest): the limit is kv_len.
     row_limit = tl.where(row_ok, kv_len, 0)
-    offs_d = tl.arange(0, HEAD_D)
-    offs_dv = tl.arange(0, HEAD_DV)
     q = tl.load(Q + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     log2_lam = 0.0
     if SKIP:
-        lam = factor / tl.maximum(kv_len, 1).to(tl.float32)  # kv_len 0: no tiles anyway
+        lam = factor / tl.maximum(kv_len, 1).to(tl.float32)
         log2_lam = tl.where(lam < 1.0, tl.log2(lam), float("-inf"))
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -125,120 +174,75 @@ def _decode_split_kernel(
             qk_scale2, log2_lam, t - first, True, SKIP, DOT_F32,
         )
         n_skipped += sk
-
-    has = l_i > 0.0
-    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    part = req.to(tl.int64) * stride_pr + split.to(tl.int64) * stride_ps
-    tl.store(PartOut + (part + head[:, None]) * HEAD_DV + offs_dv[None, :], o, mask=row_ok[:, None])
-    tl.store(PartLse + part + head, lse2, mask=row_ok)
     if SKIP:
         # Decode counters: row [1] of the layer's [2, 2] tensor.
         tl.atomic_add(Ctr + 2, (last - first).to(tl.int64))
         tl.atomic_add(Ctr + 3, n_skipped.to(tl.int64))
 
-
-@triton.jit(do_not_specialize=["num_requests", "num_rows", "num_splits"])
-def _decode_merge_kernel(
-    PartOut, PartLse, Out, Lse,
-    QLoc, KvLoc, SeqLens, IsDecode, NumTokens,
-    num_requests, num_rows, num_splits,
-    stride_ot, stride_oh, stride_lt, stride_ps, stride_pr,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    BLOCK_S: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
-):
-    kvh = tl.program_id(0)
-    req = tl.program_id(1)
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    head = kvh * GROUP + g
-    offs_dv = tl.arange(0, HEAD_DV)
-    if req == num_requests:
-        # The extra program: rows past the last request's (padding no request owns).
-        zeros = tl.zeros([BLOCK_G, HEAD_DV], dtype=Out.dtype.element_ty)
-        for row in range(tl.load(QLoc + num_requests), num_rows):
-            row64 = tl.zeros([1], dtype=tl.int64) + row
-            tl.store(Out + row64 * stride_ot + head[:, None] * stride_oh + offs_dv[None, :], zeros, mask=g_ok[:, None])
-            tl.store(Lse + row64 * stride_lt + head, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_ok)
+    has = l_i > 0.0
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    if n_splits == 1:
+        _store_row(Out, Lse, q_row, head, offs_dv, o, lse2 * 0.6931471805599453, row_ok, stride_ot, stride_oh,
+                   stride_lt)
         return
-    if tl.load(IsDecode + req) == 0:
+    part = req.to(tl.int64) * stride_pr + split.to(tl.int64) * stride_ps
+    tl.store(PartOut + (part + head[:, None]) * HEAD_DV + offs_dv[None, :], o, mask=row_ok[:, None])
+    tl.store(PartLse + part + head, lse2, mask=row_ok)
+    # Every thread's partial is stored before the program says it is done (release); the
+    # last program to arrive sees all runs' partials (acquire) and merges them.
+    tl.debug_barrier()
+    arrivals = Sem + req.to(tl.int64) * num_kv_heads + kvh
+    if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") != n_splits - 1:
         return
-    q_row = tl.load(QLoc + req).to(tl.int64)
-    if PAGED:
-        kv_len = tl.load(SeqLens + req)
-    else:
-        kv_len = tl.load(KvLoc + req + 1) - tl.load(KvLoc + req)
-    n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    # Padding rows (stand-in requests past the real token count) have no splits: zeros.
-    n_splits = tl.where(q_row < tl.load(NumTokens), tl.cdiv(n_tiles, _split_tiles(n_tiles, num_splits, SPLIT_TILES)), 0)
+    tl.debug_barrier()
     base = req.to(tl.int64) * stride_pr
-    # Online merge over chunks of BLOCK_S splits (a request may have many).
-    m = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
-    w_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DV], dtype=tl.float32)
+    m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    merged = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
     for s0 in range(0, n_splits, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        ok = (s < n_splits)[:, None] & g_ok[None, :]
+        ok = (s < n_splits)[:, None] & row_ok[None, :]
         idx = base + s[:, None].to(tl.int64) * stride_ps + head[None, :]
-        lse2 = tl.load(PartLse + idx, mask=ok, other=float("-inf"))  # [S, G]
-        m_new = tl.maximum(m, tl.max(lse2, 0))
+        # .cg: other programs wrote these; never take them from this SM's L1.
+        part_lse = tl.load(PartLse + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")  # [S, M]
+        m_new = tl.maximum(m, tl.max(part_lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse2 - m_safe[None, :])  # 0 for empty splits
-        o = tl.load(PartOut + idx[:, :, None] * HEAD_DV + offs_dv[None, None, :], mask=ok[:, :, None], other=0.0)
+        w = tl.exp2(part_lse - m_safe[None, :])  # 0 for empty runs
+        part_o = tl.load(PartOut + idx[:, :, None] * HEAD_DV + offs_dv[None, None, :], mask=ok[:, :, None], other=0.0,
+                         cache_modifier=".cg")
         w_sum = w_sum * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        merged = merged * alpha[:, None] + tl.sum(w[:, :, None] * part_o, 0)
         m = m_new
     has = w_sum > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, w_sum, 1.0)[:, None], 0.0)
+    out = tl.where(has[:, None], merged / tl.where(has, w_sum, 1.0)[:, None], 0.0)
     lse = tl.where(has, (m + tl.log2(tl.where(has, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(Out + q_row * stride_ot + head[:, None] * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
-             mask=g_ok[:, None])
-    tl.store(Lse + q_row * stride_lt + head, lse, mask=g_ok)
+    _store_row(Out, Lse, q_row, head, offs_dv, out, lse, row_ok, stride_ot, stride_oh, stride_lt)
+    tl.store(arrivals, 0)  # ready for the next launch (graph replays included)
 
 
-_SPLIT = Launcher(_decode_split_kernel)
-_MERGE = Launcher(_decode_merge_kernel)
+_DECODE = Launcher(_decode_kernel)
 
 
 class DecodeLaunch:
-    """The decode kernels' launches for one step and one layer shape, derived once.
+    """The decode kernel's launch for one step and one layer shape, derived once.
 
-    Calling it runs them for one layer: only that layer's tensors (``q``, ``k``, ``v``,
-    ``out``, ``lse``, counters) differ between the calls of a step, so grids, strides,
-    split counts, workspace and the compiled kernels are worked out by :func:`plan_decode`
-    and every call only assembles arguments and launches.
+    Calling it runs the kernel for one layer: only that layer's tensors (``q``, the cache
+    or ``k``/``v``, ``out``, ``lse``, counters, and with ``save`` the new ``k``/``v``) differ
+    between the calls of a step, so grid, strides, split counts, workspace and the compiled
+    kernel are worked out by :func:`plan_decode` and every call only passes addresses.
     """
 
-    def __init__(
-        self, split_grid, split_tail, split_constexprs, merge_grid, merge_tail, merge_constexprs,
-        part_out, part_lse, has_decode, skip, num_warps, num_stages, device,
-    ) -> None:
-        self.split_grid, self.split_tail, self.split_constexprs = split_grid, split_tail, split_constexprs
-        self.merge_grid, self.merge_tail, self.merge_constexprs = merge_grid, merge_tail, merge_constexprs
-        self.part_out, self.part_lse = part_out, part_lse
-        self.has_decode, self.skip = has_decode, skip
-        self.num_warps, self.num_stages = num_warps, num_stages
-        self.device = device
-        self._split_key: tuple | None = None
-        self._merge_key: tuple | None = None
+    def __init__(self, launch: PlannedLaunch, skip: bool, save: bool) -> None:
+        self.launch, self.skip, self.save = launch, skip, save
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        counters: torch.Tensor | None,
+        counters: torch.Tensor | None, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
     ) -> None:
-        stream = raw_stream(self.device)
-        if self.has_decode:
-            ctr = counters if self.skip else self.part_lse  # unused unless skip
-            args = (q, k, v, self.part_out, self.part_lse, ctr, *self.split_tail)
-            if self._split_key is None:
-                self._split_key = static_key(args, self.split_constexprs, self.num_warps, self.num_stages)
-            _SPLIT.launch_keyed(self.split_grid, args, self.split_constexprs, self.num_warps, self.num_stages,
-                                self._split_key, stream)
-        args = (self.part_out, self.part_lse, out, lse, *self.merge_tail)
-        if self._merge_key is None:
-            self._merge_key = static_key(args, self.merge_constexprs, 4, 3)
-        _MERGE.launch_keyed(self.merge_grid, args, self.merge_constexprs, 4, 3, self._merge_key, stream)
+        self.launch(q, k, v, out, lse, counters if self.skip else lse, k_new if self.save else q,
+                    v_new if self.save else q)
 
 
 def plan_decode(
@@ -261,17 +265,22 @@ def plan_decode(
     num_tokens: torch.Tensor | None = None,
     num_splits: int | None = None,
     has_decode: bool = True,
-    workspace: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    workspace: dict[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> DecodeLaunch:
-    """Plan the decode kernels for calls shaped like these tensors (see :func:`decode_attention`)."""
+    """Plan the decode kernel for calls shaped like these tensors (see :func:`decode_attention`)."""
     src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
     num_requests = query_start_loc.shape[0] - 1
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, head_dim_v = v.shape[-2], v.shape[-1]
     group = num_q_heads // num_kv_heads
     skip = factor is not None
+    save = slot_mapping is not None
+    if save and (not src.paged or new_kv is None):
+        raise ValueError("saving new k/v in the decode kernel needs the paged cache and new_kv=(k, v)")
     max_tiles = max(1, triton.cdiv(max_kv_len, tile_kv))
     if skip or split_tiles is not None:
         # Runs of a fixed number of tiles: the skip rule's "first tile of a run" depends on
@@ -293,39 +302,42 @@ def plan_decode(
     if num_tokens is None:
         num_tokens = torch.full((1,), q.shape[0], dtype=torch.int32, device=q.device)
     if not has_decode:
-        max_splits = 1  # nothing reads the workspace: the merge kernel only writes padding rows
+        max_splits = 1  # no run is ever written: only padding rows are
     shape = (num_requests, max_splits, num_q_heads, head_dim_v)
     parts = workspace.get(shape) if workspace is not None else None
     if parts is None:
         parts = (
             torch.empty(shape, dtype=torch.float32, device=q.device),
             torch.empty(shape[:3], dtype=torch.float32, device=q.device),
+            # Arrival counts per (request, KV head): zero between launches (the merging
+            # program resets its own), so one buffer serves every layer of the step.
+            torch.zeros((max(1, num_requests), num_kv_heads), dtype=torch.int32, device=q.device),
         )
         if workspace is not None:
             workspace[shape] = parts
-    part_out, part_lse = parts
+    part_out, part_lse, arrivals = parts
     if not src.paged:
         seq_lens = query_start_loc  # unused
+    k_new, v_new = new_kv if save else (q, q)  # placeholders: never read without SAVE
     block_m = max(16, triton.next_power_of_2(group))
-    split_tail = (
-        src.page_table, query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
-        q.stride(0), q.stride(1), part_lse.stride(1), part_lse.stride(0),
+    tail = (
+        part_out, part_lse, arrivals, slot_mapping if save else query_start_loc, src.page_table, query_start_loc,
+        src.kv_start_loc, seq_lens, is_decode, num_tokens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
         *src.strides, src.stride_page_table,
-        scale * _LOG2E, float(factor) if skip else 0.0, num_splits,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        scale * _LOG2E, float(factor) if skip else 0.0, num_splits, num_requests, q.shape[0], num_kv_heads,
     )
-    split_constexprs = (group, block_m, tile_kv, split_tiles, head_dim, head_dim_v, src.paged, src.page_size, skip,
-                        q.dtype == torch.float32)
-    merge_tail = (
-        query_start_loc, src.kv_start_loc, seq_lens, is_decode, num_tokens,
-        num_requests, q.shape[0], num_splits,
-        out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
-    )
-    merge_constexprs = (group, triton.next_power_of_2(group), tile_kv, split_tiles, 16, head_dim_v, src.paged)
-    return DecodeLaunch(
-        (max_splits, num_kv_heads, num_requests), split_tail, split_constexprs,
-        (num_kv_heads, num_requests + 1, 1), merge_tail, merge_constexprs,
-        part_out, part_lse, has_decode, skip, num_warps, num_stages, q.device,
-    )
+    # The merge holds [BLOCK_S, BLOCK_M, HEAD_DV] floats: a few runs at a time.
+    block_s = max(1, 64 // block_m)
+    constexprs = (group, block_m, tile_kv, split_tiles, block_s, head_dim, head_dim_v, src.paged, src.page_size, skip,
+                  q.dtype == torch.float32, save)
+    # The key reads only dtypes off the leading tensors: an empty int64 stands in for the counters.
+    counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
+    key = static_key((q, k, v, out, lse, counters, k_new, v_new) + tail, constexprs, num_warps, num_stages)
+    grid = (max_splits, num_kv_heads, num_requests + 1)
+    launch = _DECODE.plan(grid, 8, tail, constexprs, num_warps, num_stages, key, q.device)
+    return DecodeLaunch(launch, skip, save)
 
 
 def decode_attention(
@@ -354,11 +366,17 @@ def decode_attention(
     capturing a graph that may be replayed for other batches): only the padding rows are
     written, with no split launch and no workspace.
 
-    ``workspace`` (a dict the caller keeps for one step) lends the split results' buffers
-    to every call of the step with the same shape: calls on one stream run in order, so a
-    layer's merge has read them before the next layer's split writes them. Callers that
-    attend many layers per step plan once with :func:`plan_decode` and call the plan.
+    ``slot_mapping`` and ``new_kv=(k_new, v_new)`` (paged cache only) first write each
+    decode request's new token (row ``query_start_loc[r]`` of ``k_new``/``v_new``) into the
+    cache slot ``slot_mapping`` gives for that row (none for a negative slot), in the same launch.
+
+    ``workspace`` (a dict the caller keeps for one step) lends the runs' buffers to every
+    call of the step with the same shape: calls on one stream run in order, so a layer's
+    merge has read them before the next layer's runs write them. Callers that attend many
+    layers per step plan once with :func:`plan_decode` and call the plan.
     """
     if options.get("factor") is not None and counters is None:
         raise ValueError("skip-softmax needs a counters tensor (fullcg.telemetry.counters)")
-    plan_decode(q, k, v, out, lse, **options)(q, k, v, out, lse, counters)
+    new_kv = options.get("new_kv")
+    k_new, v_new = new_kv if isinstance(new_kv, tuple) else (None, None)
+    plan_decode(q, k, v, out, lse, **options)(q, k, v, out, lse, counters, k_new, v_new)

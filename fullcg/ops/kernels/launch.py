@@ -14,12 +14,19 @@ launch's host time for kernels of a dozen tensors. The first launch of a special
 goes through Triton with the tensors themselves (all of its checks), and fullcg's ops check
 that every tensor is on q's device before anything launches.
 
+:meth:`Launcher.plan` goes further for the per-layer path: a :class:`PlannedLaunch` fixes
+grid, options and every argument but a few leading tensors once per step and shape, and
+once its specialisation is compiled it calls the compiled launcher's C entry point with
+nothing left to derive: the leading tensors' addresses, the stream, one call.
+
 Under ``TRITON_INTERPRET=1`` (CPU tests) it launches the ordinary way.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +34,7 @@ from typing import Any
 import torch
 import triton
 
-__all__ = ["Launcher", "raw_stream", "static_key"]
+__all__ = ["Launcher", "PlannedLaunch", "raw_stream", "static_key"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -94,6 +101,9 @@ class Launcher:
         )
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._by_static_key: dict[Any, tuple[tuple[int, ...], dict[tuple[int, ...], Any]]] = {}
+        #: ``(static key, device, alignment of the trailing tensors) -> (C launch, its fixed
+        #: arguments after the stream)`` for specialisations whose leading tensors are aligned.
+        self._direct: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
 
     def __call__(
         self, grid: tuple[int, int, int], args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int
@@ -111,6 +121,23 @@ class Launcher:
         stream = torch._C._cuda_getCurrentRawStream(device)
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *constexprs)
+
+    def plan(
+        self,
+        grid: tuple[int, int, int],
+        num_leading: int,
+        tail: Sequence[Any],
+        constexprs: tuple[Any, ...],
+        num_warps: int,
+        num_stages: int,
+        static_key: Any,
+        device: torch.device,
+    ) -> PlannedLaunch:
+        """A launch whose arguments after the first ``num_leading`` (tensors, given per call)
+        are ``tail``, fixed: see :class:`PlannedLaunch`. ``static_key`` is as for
+        :meth:`launch_keyed`, built over leading and trailing arguments."""
+        return PlannedLaunch(self, grid, num_leading, tuple(tail), constexprs, num_warps, num_stages, static_key,
+                             device)
 
     def launch_keyed(
         self,
@@ -146,6 +173,27 @@ class Launcher:
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *raw, *constexprs)
 
+    def _direct_entry(self, static_key: Any, device: int, positions: tuple[int, ...], num_leading: int,
+                      tail_alignment: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]] | None:
+        """The C launch of the compiled specialisation with aligned leading tensors, and the
+        arguments it takes between the stream and the kernel's own (None until compiled)."""
+        key = (static_key, device, tail_alignment)
+        entry = self._direct.get(key)
+        if entry is None:
+            found = self._by_static_key.get((static_key, device))
+            leading = sum(1 for i in positions if i < num_leading)
+            kernel = found[1].get((0,) * leading + tail_alignment) if found is not None else None
+            if kernel is None:
+                return None
+            run = kernel.run
+            # Kernels that need scratch memory get it from Triton's launcher wrapper per call.
+            if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) or \
+                    not hasattr(run, "launch"):
+                return None
+            entry = self._direct[key] = (run.launch, (kernel.function, run.launch_cooperative_grid, run.launch_pdl,
+                                                      None, None, kernel.packed_metadata, None, None, None))
+        return entry
+
     def _launch_jit(
         self, grid: tuple[int, int, int], args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int
     ) -> Any:
@@ -155,3 +203,54 @@ class Launcher:
         if hasattr(kernel, "result"):  # compiled asynchronously
             kernel = kernel.result()
         return kernel
+
+
+class PlannedLaunch:
+    """One kernel launch of a step, for every layer of one shape: grid, options and the
+    trailing arguments fixed when planned; ``launch(*leading)`` gives the leading tensors
+    (those that differ per layer: q, k, v, out, ...), all on the planned device.
+
+    Until its specialisation is compiled, and whenever a leading tensor is not 16-byte
+    aligned, a launch profiler hook is installed or the kernels are interpreted, it
+    launches through :meth:`Launcher.launch_keyed`. Otherwise it passes the tensors'
+    addresses straight to the compiled launcher's C entry point.
+    """
+
+    __slots__ = ("launcher", "grid", "num_leading", "tail", "raw_tail", "constexprs", "num_warps", "num_stages",
+                 "static_key", "device", "device_index", "_positions", "_tail_alignment", "_direct")
+
+    def __init__(self, launcher: Launcher, grid: tuple[int, int, int], num_leading: int, tail: tuple[Any, ...],
+                 constexprs: tuple[Any, ...], num_warps: int, num_stages: int, static_key: Any,
+                 device: torch.device) -> None:
+        self.launcher, self.grid, self.num_leading, self.tail = launcher, grid, num_leading, tail
+        self.constexprs, self.num_warps, self.num_stages = constexprs, num_warps, num_stages
+        self.static_key, self.device = static_key, device
+        self.device_index = device.index if device.index is not None else 0
+        self._positions = tuple(num_leading + i for i, a in enumerate(tail) if isinstance(a, torch.Tensor))
+        raw = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
+        self.raw_tail = raw + constexprs
+        self._tail_alignment = tuple(raw[i - num_leading] & 15 for i in self._positions)
+        self._direct: tuple[Any, tuple[Any, ...]] | None = None
+        if device.type == "cuda" and not _INTERPRET and not _hooked():
+            self._find_direct()
+
+    def _find_direct(self) -> None:
+        leading = tuple(range(self.num_leading))  # every leading argument is a tensor
+        self._direct = self.launcher._direct_entry(
+            self.static_key, self.device_index, leading + self._positions, self.num_leading, self._tail_alignment
+        )
+
+    def __call__(self, *leading: torch.Tensor) -> None:
+        direct = self._direct
+        if direct is not None:
+            ptrs = [t.data_ptr() for t in leading]
+            if not functools.reduce(operator.or_, ptrs) & 15 and torch.cuda.current_device() == self.device_index:
+                grid = self.grid
+                launch, fixed = direct
+                launch(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index), *fixed,
+                       *ptrs, *self.raw_tail)
+                return
+        self.launcher.launch_keyed(self.grid, leading + self.tail, self.constexprs, self.num_warps, self.num_stages,
+                                   self.static_key, raw_stream(self.device))
+        if direct is None and self.device.type == "cuda" and not _INTERPRET and not _hooked():
+            self._find_direct()

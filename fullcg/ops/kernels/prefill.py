@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.launch import Launcher, raw_stream, static_key
+from fullcg.ops.kernels.launch import Launcher, PlannedLaunch, static_key
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["prefill_attention", "plan_prefill", "PrefillLaunch"]
@@ -138,20 +138,14 @@ class PrefillLaunch:
     """The prefill kernel's launch for one step and one layer shape, derived once; calling
     it runs the kernel for one layer's tensors (see :func:`plan_prefill`)."""
 
-    def __init__(self, grid, tail, constexprs, skip, num_warps, num_stages, device) -> None:
-        self.grid, self.tail, self.constexprs = grid, tail, constexprs
-        self.skip, self.num_warps, self.num_stages, self.device = skip, num_warps, num_stages, device
-        self._key: tuple | None = None
+    def __init__(self, launch: PlannedLaunch, skip: bool) -> None:
+        self.launch, self.skip = launch, skip
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         counters: torch.Tensor | None,
     ) -> None:
-        args = (q, k, v, out, lse, counters if self.skip else lse, *self.tail)
-        if self._key is None:
-            self._key = static_key(args, self.constexprs, self.num_warps, self.num_stages)
-        _PREFILL.launch_keyed(self.grid, args, self.constexprs, self.num_warps, self.num_stages, self._key,
-                              raw_stream(self.device))
+        self.launch(q, k, v, out, lse, counters if self.skip else lse)
 
 
 def plan_prefill(
@@ -198,7 +192,10 @@ def plan_prefill(
     constexprs = (group, tile_q, block_m, tile_kv, head_dim, head_dim_v, src.paged, src.page_size, causal, skip,
                   q.dtype == torch.float32)
     grid = (triton.cdiv(q.shape[0], tile_q), num_kv_heads, num_requests)
-    return PrefillLaunch(grid, tail, constexprs, skip, num_warps, num_stages, q.device)
+    # The key reads only dtypes off the leading tensors: an empty int64 stands in for the counters.
+    counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
+    key = static_key((q, k, v, out, lse, counters) + tail, constexprs, num_warps, num_stages)
+    return PrefillLaunch(_PREFILL.plan(grid, 6, tail, constexprs, num_warps, num_stages, key, q.device), skip)
 
 
 def prefill_attention(

@@ -12,19 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.launch import Launcher
+from fullcg.ops.kernels.launch import Launcher, PlannedLaunch, static_key
 
 if TYPE_CHECKING:
     from fullcg.context import ForwardContext
     from fullcg.kv_cache import KVCache
     from fullcg.ops.call import AttentionCall
 
-__all__ = ["save_kv_to_cache", "save_new_kv"]
+__all__ = ["save_kv_to_cache", "save_new_kv", "plan_save", "SaveLaunch"]
 
 
 @triton.jit
 def _save_kv_kernel(
-    k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_k, stride_v,
     ROW_K: tl.constexpr, ROW_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -62,10 +62,40 @@ def save_kv_to_cache(
     row_k, row_v = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
     _SAVE(
         (n, 1, 1),
-        (k, v, slot_mapping, k_cache, v_cache, k.stride(0), v.stride(0)),
+        (k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0)),
         (row_k, row_v, _next_pow2(row_k), _next_pow2(row_v)),
         4, 3,
     )
+
+
+class SaveLaunch:
+    """The save kernel's launch for one step and one k/v shape (see :func:`plan_save`):
+    calling it writes one layer's new ``k``/``v`` into that layer's cache tensors."""
+
+    def __init__(self, launch: PlannedLaunch | None, slot_mapping: torch.Tensor) -> None:
+        self.launch, self.slot_mapping = launch, slot_mapping
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        if self.launch is None:  # k/v rows are not contiguous, or no rows: the general path
+            n = self.slot_mapping.shape[0]
+            save_kv_to_cache(k[:n], v[:n], self.slot_mapping, k_cache, v_cache)
+        else:
+            self.launch(k, v, k_cache, v_cache)
+
+
+def plan_save(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> SaveLaunch:
+    """Plan :func:`save_kv_to_cache` for calls with k/v shaped like these (rows past
+    ``slot_mapping``'s are never read) into caches shaped like these."""
+    n = slot_mapping.shape[0]
+    if n == 0 or _rows(k) is not k or _rows(v) is not v or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        return SaveLaunch(None, slot_mapping)
+    row_k, row_v = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
+    tail = (slot_mapping, k.stride(0), v.stride(0))
+    constexprs = (row_k, row_v, _next_pow2(row_k), _next_pow2(row_v))
+    key = static_key((k, v, k_cache, v_cache) + tail, constexprs, 4, 3)
+    return SaveLaunch(_SAVE.plan((n, 1, 1), 4, tail, constexprs, 4, 3, key, k.device), slot_mapping)
 
 
 def _next_pow2(n: int) -> int:
