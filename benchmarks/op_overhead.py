@@ -7,11 +7,18 @@
 
 Piecewise steps run attention eagerly between captured pieces, so this host time is paid
 per layer per step. On the GPU the call is a decode batch (default batch 1, 1k context) of
-a Llama-3-8B layer (32 query heads, 8 KV heads, head dim 128, bf16) through
-``fullcg.Attention`` as a compiled piecewise step calls it: breakable, inside a derived
-context of a compiled step when the installed fullcg has one. Host time is wall time per
-call over bursts of calls short enough that the GPU never makes the host wait; the
-kernels' own time is measured apart with CUDA events.
+a Llama-3-8B layer (32 query heads, 8 KV heads, head dim 128, bf16), inside a derived
+context of a compiled piecewise step, made two ways:
+
+- ``host_us_per_call``: as a compiled piecewise step makes it at a split point, the
+  breakable op's Python kernel called with the attributes traced into the graph (no
+  dispatcher, no module call); the figure the per-layer cost of piecewise steps is;
+- ``host_us_per_layer_call``: through ``fullcg.Attention`` and the op dispatcher, as an
+  uncompiled model inside such a context would.
+
+Host time is wall time per call over bursts of calls short enough that the GPU never
+makes the host wait; the kernels' own time is measured apart with CUDA events. The same
+script measures an older fullcg (``PYTHONPATH`` pointing at it) the same way.
 """
 
 from __future__ import annotations

@@ -122,6 +122,7 @@ def test_a_planned_launch_passes_only_addresses_once_compiled_and_falls_back_for
     monkeypatch.setattr(launch, "_hooked", lambda: False)
     monkeypatch.setattr(launcher, "_launch_jit", fake_jit)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     buf, meta = torch.zeros(64), torch.zeros(8, dtype=torch.int32)
     tail = (meta, 5, 0.5)

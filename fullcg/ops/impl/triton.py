@@ -113,9 +113,15 @@ class _CallPlan:
         if self.save is not None:
             self.save(k, v, cache.k, cache.v)
         kc, vc = (cache.k, cache.v) if self.use_cache else (k, v)
-        if self.prefill is not None:
-            self.prefill(q, kc, vc, out, lse, counters)
-        self.decode(q, kc, vc, out, lse, counters, k, v)
+        # The launches themselves (not DecodeLaunch/PrefillLaunch.__call__): one frame less per layer.
+        prefill = self.prefill
+        if prefill is not None:
+            prefill.launch(q, kc, vc, out, lse, counters if prefill.skip else lse)
+        decode = self.decode
+        if decode.save:
+            decode.launch(q, kc, vc, out, lse, counters if decode.skip else lse, k, v)
+        else:
+            decode.launch(q, kc, vc, out, lse, counters if decode.skip else lse, q, q)
         return lse if self.return_lse else None
 
 

@@ -205,6 +205,14 @@ class Launcher:
         return kernel
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _current_device() -> int:
+    # torch.cuda.current_device() less its Python wrapper: called on every planned launch.
+    return torch._C._cuda_getDevice()
+
+
 class PlannedLaunch:
     """One kernel launch of a step, for every layer of one shape: grid, options and the
     trailing arguments fixed when planned; ``launch(*leading)`` gives the leading tensors
@@ -243,8 +251,8 @@ class PlannedLaunch:
     def __call__(self, *leading: torch.Tensor) -> None:
         direct = self._direct
         if direct is not None:
-            ptrs = [t.data_ptr() for t in leading]
-            if not functools.reduce(operator.or_, ptrs) & 15 and torch.cuda.current_device() == self.device_index:
+            ptrs = list(map(_data_ptr, leading))
+            if not functools.reduce(operator.or_, ptrs) & 15 and _current_device() == self.device_index:
                 grid = self.grid
                 launch, fixed = direct
                 launch(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index), *fixed,
