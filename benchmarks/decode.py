@@ -14,6 +14,9 @@ step time over ``--repeats`` of
 plus the bandwidth floor (weights + KV bytes read per step over measured copy bandwidth),
 compile and capture times, graph pool memory, and mixed / prefill steps in every mode
 (``mixed_ms`` rows: ``name``, ``tokens``, ``eager``, ``piecewise``, ``full``, ``default``).
+Step times include the host work before the step's first kernel (context entry, Dynamo's
+guards, the runner), so they move with the host's speed; ``full_replay_only`` and
+``default_replay_only`` time the captured decode graph's replays alone (the GPU's time).
 """
 
 from __future__ import annotations
@@ -61,6 +64,16 @@ def time_ms(fn, repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def captured_full_graph(backend: fullcg.Backend, batch: int):
+    """``replay`` of the decode-only full graph a step of ``batch`` tokens ran, if captured."""
+    for runner in backend.runners:
+        size = fullcg.cudagraph.padded_size(batch, runner.sizes)
+        entry = runner.full_graphs.get((size, True)) if size is not None else None
+        if entry is not None:
+            return entry.graph.replay
+    return None
 
 
 def decode_metadata(batch: int, context: int, device: torch.device) -> fullcg.AttentionMetadata:
@@ -118,9 +131,13 @@ def main() -> None:
 
     base = fullcg.FullCGConfig(attention_impl=args.impl, capture_sizes=tuple(args.capture_sizes))
     points = [(b, c) for c in args.contexts for b in args.batches]
+    # Non-decode steps at several token counts: where a full graph stops paying over pieces.
     mixed_steps = [
         ("mixed 1x32 extend + 31 decode", [32] + [1] * 31, [256] * 32),
+        ("mixed 1x96 extend + 32 decode", [96] + [1] * 32, [256] * 33),
         ("mixed 1x224 extend + 32 decode", [224] + [1] * 32, [256] * 33),
+        ("prefill 1x64", [64], [0]),
+        ("prefill 1x128", [128], [0]),
         ("prefill 1x256", [256], [0]),
         ("prefill 4x512 (uncaptured)", [512] * 4, [0] * 4),
     ]
@@ -193,6 +210,11 @@ def main() -> None:
             fullcg.reset_graph_mode_counts()
             for b, c in points:
                 table[(b, c)][mode] = time_ms(step_fn(compiled, b, c, config), args.repeats)
+                replay = captured_full_graph(backend, b)
+                if replay is not None:
+                    # The captured graph alone (its static inputs still hold this batch): the
+                    # step's GPU time, without the host work before the first kernel.
+                    table[(b, c)][f"{mode}_replay_only"] = time_ms(replay, args.repeats)
             results[f"{mode}_steps"] = dict(fullcg.graph_mode_counts())
             print(f"{mode}: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)][mode]:.2f} ms" for b, c in points), flush=True)
             dump()
