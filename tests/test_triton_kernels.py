@@ -481,3 +481,46 @@ def test_runs_merged_in_one_launch_give_the_same_bits_every_time_on_gpu(heads):
         out.fill_(float("nan"))
         decode_attention(b.q, cache.k, cache.v, out, lse, None, **options)
         assert torch.equal(out, first_out) and torch.equal(lse, first_lse)
+
+
+def test_layers_of_one_query_shape_but_different_kv_heads_share_no_arrival_counts():
+    # One step's workspace serves every layer; the arrival counts are per KV head, so a layer
+    # with more KV heads must not count into a smaller layer's buffer.
+    workspace: dict = {}
+    for kv_heads, seed in ((1, 1), (4, 2), (1, 3)):
+        b = on_device(make_batch([1, 1, 1], [70, 5, 33], num_heads=4, num_kv_heads=kv_heads, seed=seed))
+        md, cache = b.metadata, b.layer.kv_cache
+        ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))  # also saves the new k/v
+        out, lse = torch.full_like(b.q, float("nan")), torch.empty(b.q.shape[:2], device=DEVICE)
+        decode_attention(
+            b.q, cache.k, cache.v, out, lse, None, query_start_loc=md.query_start_loc, is_decode=md.is_decode,
+            scale=b.layer.scale, factor=None, tile_kv=TILES["tile_kv"], split_tiles=None,
+            max_kv_len=md.page_table.shape[1] * cache.page_size, page_table=md.page_table, seq_lens=md.seq_lens,
+            num_splits=2, workspace=workspace,
+        )
+        torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+    assert all(not parts[2].any() for parts in workspace.values())
+    assert len(workspace) == 2, "one workspace per KV-head count"
+
+
+def test_a_call_of_another_dtype_does_not_take_the_plan_of_the_first(monkeypatch):
+    # Calls over given k/v carry no cache whose fit would tell dtypes apart: the plan's key does.
+    from fullcg.context import derived_context
+
+    ops = importlib.import_module("fullcg.ops.attention")
+    binds = []
+    real_bind = ops._bind
+    monkeypatch.setattr(ops, "_bind", lambda *a: binds.append(a[0]) or real_bind(*a))
+    kernel = ops.EAGER_KERNELS[ops.breakable_attention]
+    cfg = FullCGConfig(attention_impl="triton", skip_softmax=SkipSoftmaxConfig(**TILES))
+    b = batch("prefill")
+    with fullcg.forward_context(b.metadata, b.layer, config=cfg) as user, \
+            derived_context(user, config=cfg, variant="piecewise", padded_size=None):
+        for dtype in (torch.float32, torch.float16, torch.float16):
+            q, k, v = b.q.to(dtype), b.k.to(dtype), b.v.to(dtype)
+            out = torch.empty_like(q)
+            kernel(q, k, v, out, 0, None, None, None, b.layer.scale, False, True, None, False, b.layer.kv_cache.uid)
+            ref_out, _, _ = run(b, "reference", SkipSoftmaxConfig(**TILES), use_kv_cache=False)
+            torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    assert binds.count("breakable_attention") == 2, "each dtype's first call plans; the second fp16 call runs its plan"

@@ -120,7 +120,8 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
         # run directly, checking only that the layer's cache is its own and fits.
         plan_key = None
         if ctx is not None and ctx.compiled and len(attrs) == _NUM_ATTRIBUTES and not ctx.config.debug_checks:
-            plan_key = (name, attrs[1:-1], q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), out.stride())
+            plan_key = (name, attrs[1:-1], q.dtype, q.device, q.shape, k.shape, v.shape, q.stride(), k.stride(),
+                        v.stride(), out.stride())
             planned = ctx.memo.get(plan_key)
             if planned is not None:
                 plan, fit = planned

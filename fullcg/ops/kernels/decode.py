@@ -116,7 +116,9 @@ def _decode_kernel(
         kv_len = tl.load(KvLoc + req + 1) - kv_start
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     split_tiles = _split_tiles(n_tiles, num_splits, SPLIT_TILES)
-    n_splits = tl.cdiv(n_tiles, split_tiles)
+    # At most the grid's runs (more only with keys past max_kv_len, which metadata refuses):
+    # a run counted here but never launched would leave its arrival count short for good.
+    n_splits = tl.minimum(tl.cdiv(n_tiles, split_tiles), tl.num_programs(0))
     if (q_row >= tl.load(NumTokens)) | (n_splits == 0):
         # A stand-in request past the real token count, or no keys at all: zeros, LSE -inf.
         if split == 0:
@@ -304,7 +306,9 @@ def plan_decode(
     if not has_decode:
         max_splits = 1  # no run is ever written: only padding rows are
     shape = (num_requests, max_splits, num_q_heads, head_dim_v)
-    parts = workspace.get(shape) if workspace is not None else None
+    # KV heads in the key too: the arrival counts are per KV head, and layers of one query
+    # shape may differ in KV heads.
+    parts = workspace.get((*shape, num_kv_heads)) if workspace is not None else None
     if parts is None:
         parts = (
             torch.empty(shape, dtype=torch.float32, device=q.device),
@@ -314,7 +318,7 @@ def plan_decode(
             torch.zeros((max(1, num_requests), num_kv_heads), dtype=torch.int32, device=q.device),
         )
         if workspace is not None:
-            workspace[shape] = parts
+            workspace[(*shape, num_kv_heads)] = parts
     part_out, part_lse, arrivals = parts
     if not src.paged:
         seq_lens = query_start_loc  # unused
@@ -328,8 +332,9 @@ def plan_decode(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale * _LOG2E, float(factor) if skip else 0.0, num_splits, num_requests, q.shape[0], num_kv_heads,
     )
-    # The merge holds [BLOCK_S, BLOCK_M, HEAD_DV] floats: a few runs at a time.
-    block_s = max(1, 64 // block_m)
+    # The merge holds [BLOCK_S, BLOCK_M, HEAD_DV] floats: a few runs at a time (8k values,
+    # 64 per thread at 4 warps, whatever the head dim).
+    block_s = max(1, 8192 // (block_m * head_dim_v))
     constexprs = (group, block_m, tile_kv, split_tiles, block_s, head_dim, head_dim_v, src.paged, src.page_size, skip,
                   q.dtype == torch.float32, save)
     # The key reads only dtypes off the leading tensors: an empty int64 stands in for the counters.

@@ -219,9 +219,10 @@ class PlannedLaunch:
     (those that differ per layer: q, k, v, out, ...), all on the planned device.
 
     Until its specialisation is compiled, and whenever a leading tensor is not 16-byte
-    aligned, a launch profiler hook is installed or the kernels are interpreted, it
-    launches through :meth:`Launcher.launch_keyed`. Otherwise it passes the tensors'
-    addresses straight to the compiled launcher's C entry point.
+    aligned, a launch profiler hook was installed when it was planned or the kernels are
+    interpreted, it launches through :meth:`Launcher.launch_keyed`. Otherwise it passes
+    the tensors' addresses straight to the compiled launcher's C entry point. (A hook
+    installed mid-step sees the launches from the next step's plans on.)
     """
 
     __slots__ = ("launcher", "grid", "num_leading", "tail", "raw_tail", "constexprs", "num_warps", "num_stages",
