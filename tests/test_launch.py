@@ -14,7 +14,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from fullcg.ops.kernels import decode as decode_kernels  # noqa: E402
-from fullcg.ops.kernels.launch import Launcher, _key, _unspecialised_key, static_key  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fullcg.ops.kernels.launch import Launcher, _key, _unspecialised_key  # noqa: E402
+
+
+@triton.jit(do_not_specialize=["count"])
+def _kernel_of_four(T, n, count, x, X: tl.constexpr):
+    pass
 
 
 def test_keys_tell_apart_every_int_value_dtype_and_alignment_but_not_float_values():
@@ -25,9 +33,12 @@ def test_keys_tell_apart_every_int_value_dtype_and_alignment_but_not_float_value
     assert _key(0.5) == _key(2.0), "Triton does not specialise on float values"
     assert _unspecialised_key(3) == _unspecialised_key(70), "do_not_specialize ints: only their width matters"
     assert _unspecialised_key(3) != _unspecialised_key(2**40)
-    a = static_key((t, 64, 0.5), (16, True), 4, 2)
-    assert a == static_key((t.clone(), 64, 0.25), (16, True), 4, 2)
-    assert a != static_key((t, 128, 0.5), (16, True), 4, 2) and a != static_key((t, 64, 0.5), (32, True), 4, 2)
+    key = Launcher(_kernel_of_four).static_key
+    a = key((t, 64, 3, 0.5), (16,), 4, 2)
+    assert a == key((t.clone(), 64, 3, 0.25), (16,), 4, 2), "tensors by dtype, floats by type"
+    assert a != key((t, 128, 3, 0.5), (16,), 4, 2) and a != key((t, 64, 3, 0.5), (32,), 4, 2)
+    assert a == key((t, 64, 70, 0.5), (16,), 4, 2), "a do_not_specialize int (a batch size) keeps the kernel"
+    assert a != key((t, 64, 2**40, 0.5), (16,), 4, 2)
 
 
 def test_launchers_know_the_constexpr_parameters_of_the_decode_kernel():
@@ -67,7 +78,7 @@ def test_a_planned_launch_calls_the_compiled_kernel_directly_and_recompiles_for_
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     buf = torch.zeros(64)
     args = (buf[:8], 3, 0.5)
-    key = static_key(args, (16,), 4, 3)
+    key = launcher.static_key(args, (16,), 4, 3)
     launcher.launch_keyed((2, 1, 1), args, (16,), 4, 3, key, stream=77)
     assert len(jit_launches) == 1, "the first launch compiles through Triton"
     launcher.launch_keyed((2, 1, 1), (buf[8:16], 3, 0.5), (16,), 4, 3, key, stream=77)
@@ -126,7 +137,7 @@ def test_a_planned_launch_passes_only_addresses_once_compiled_and_falls_back_for
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     buf, meta = torch.zeros(64), torch.zeros(8, dtype=torch.int32)
     tail = (meta, 5, 0.5)
-    key = static_key((buf, buf) + tail, (16,), 4, 2)
+    key = launcher.static_key((buf, buf) + tail, (16,), 4, 2)
     device = torch.device("cuda", 0)  # only its index is read: nothing touches a GPU here
     first = launcher.plan((3, 1, 1), 2, tail, (16,), 4, 2, key, device)
     first(buf[:8], buf[8:16])
@@ -140,3 +151,24 @@ def test_a_planned_launch_passes_only_addresses_once_compiled_and_falls_back_for
     assert len(jit_launches) == 1 and len(c_launches) == 2
     again(buf[1:9], buf[8:16])
     assert len(jit_launches) == 2 and len(c_launches) == 2, "an unaligned tensor is another specialisation"
+
+
+def test_a_new_batch_size_in_a_do_not_specialize_argument_launches_the_compiled_kernel_directly(monkeypatch):
+    import fullcg.ops.kernels.launch as launch
+
+    launcher = Launcher(_kernel_of_four)
+    jit_launches, c_launches = [], []
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_hooked", lambda: False)
+    monkeypatch.setattr(launcher, "_launch_jit", lambda *a: jit_launches.append(a) or _run_only_launcher(c_launches))
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 5, raising=False)
+    buf = torch.zeros(16)
+    device = torch.device("cuda", 0)
+    for count in (3, 70, 1000):  # one step each, planned anew with its own count
+        tail = (64, count, 0.5)
+        plan = launcher.plan((1, 1, 1), 1, tail, (16,), 4, 2, launcher.static_key((buf,) + tail, (16,), 4, 2), device)
+        plan(buf)
+    assert len(jit_launches) == 1, "Triton does not specialise on the count: neither does the launcher"
+    assert [c[-3] for c in c_launches] == [70, 1000], "later counts go straight to the compiled kernel"

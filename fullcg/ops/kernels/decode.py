@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.launch import Launcher, PlannedLaunch, static_key
+from fullcg.ops.kernels.launch import Launcher, PlannedLaunch
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["decode_attention", "plan_decode", "DecodeLaunch", "MAX_DENSE_SPLITS"]
@@ -339,7 +339,7 @@ def plan_decode(
                   q.dtype == torch.float32, save)
     # The key reads only dtypes off the leading tensors: an empty int64 stands in for the counters.
     counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
-    key = static_key((q, k, v, out, lse, counters, k_new, v_new) + tail, constexprs, num_warps, num_stages)
+    key = _DECODE.static_key((q, k, v, out, lse, counters, k_new, v_new) + tail, constexprs, num_warps, num_stages)
     grid = (max_splits, num_kv_heads, num_requests + 1)
     launch = _DECODE.plan(grid, 8, tail, constexprs, num_warps, num_stages, key, q.device)
     return DecodeLaunch(launch, skip, save)

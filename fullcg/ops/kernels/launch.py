@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import triton
 
-__all__ = ["Launcher", "PlannedLaunch", "raw_stream", "static_key"]
+__all__ = ["Launcher", "PlannedLaunch", "raw_stream"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -62,13 +62,6 @@ def raw_stream(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-
-
-def static_key(args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int) -> tuple[Any, ...]:
-    """A key that fixes the specialisation of ``args`` but for tensor alignment: exact ints,
-    tensor dtypes, constexprs and launch options. Built once per step and shape."""
-    return (constexprs, num_warps, num_stages,
-            *[a.dtype if isinstance(a, torch.Tensor) else a if type(a) is int else type(a) for a in args])
 
 
 def _hooked() -> bool:
@@ -121,6 +114,18 @@ class Launcher:
         stream = torch._C._cuda_getCurrentRawStream(device)
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *constexprs)
+
+    def static_key(
+        self, args: Sequence[Any], constexprs: tuple[Any, ...], num_warps: int, num_stages: int
+    ) -> tuple[Any, ...]:
+        """A key that fixes the specialisation of ``args`` but for tensor alignment: tensor
+        dtypes, ints exactly (only their width for ``do_not_specialize`` parameters, as
+        Triton itself: a new batch size is then the same kernel), constexprs and launch
+        options. Built once per step and shape."""
+        return (constexprs, num_warps, num_stages, *[
+            a.dtype if isinstance(a, torch.Tensor) else f(a) if type(a) is int else type(a)
+            for f, a in zip(self._key_fns, args)
+        ])
 
     def plan(
         self,

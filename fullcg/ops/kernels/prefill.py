@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fullcg.ops.kernels.launch import Launcher, PlannedLaunch, static_key
+from fullcg.ops.kernels.launch import Launcher, PlannedLaunch
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["prefill_attention", "plan_prefill", "PrefillLaunch"]
@@ -194,7 +194,7 @@ def plan_prefill(
     grid = (triton.cdiv(q.shape[0], tile_q), num_kv_heads, num_requests)
     # The key reads only dtypes off the leading tensors: an empty int64 stands in for the counters.
     counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
-    key = static_key((q, k, v, out, lse, counters) + tail, constexprs, num_warps, num_stages)
+    key = _PREFILL.static_key((q, k, v, out, lse, counters) + tail, constexprs, num_warps, num_stages)
     return PrefillLaunch(_PREFILL.plan(grid, 6, tail, constexprs, num_warps, num_stages, key, q.device), skip)
 
 
