@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 from fullcg import compile_cache
@@ -242,6 +243,8 @@ def _keeps(node: torch.fx.Node) -> bool:
 
 
 def _variant_graph(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.GraphModule:
+    """A copy of ``gm`` after dead-code removal and ``manager``'s passes, whose Python code is
+    generated only if something runs or reads it (see :func:`_lazy_code`)."""
     graph = copy.deepcopy(gm.graph)
     # Dynamo leaves unused computations in the graph (a transformers model's packed-sequence
     # detection, for one). Running them again on fake inputs while pieces compile can
@@ -249,9 +252,20 @@ def _variant_graph(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.G
     # ints), so they go before the passes, the split and any compiler see them.
     graph.eliminate_dead_code(is_impure_node=_keeps)
     manager(graph)
-    out = torch.fx.GraphModule(gm, graph)
+    with _lazy_code():
+        out = _make_graph_module(gm, graph)
     out.meta.update(gm.meta)
     return out
+
+
+def _lazy_code() -> Any:
+    """Graph modules made inside generate their Python code on first use, not when made.
+
+    Generating and compiling a 32-layer graph's code takes a few tenths of a second, and
+    splitting it makes a module per piece: the piecewise variant's own code is never run
+    (its pieces are), and pieces that share a compiled artifact are never run either.
+    """
+    return _use_lazy_graph_module(True)
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig) -> StepRunner:
@@ -324,7 +338,8 @@ def _compile_graph(
         uuid = manager.uuid()
         variant = _variant_graph(gm, manager)
         dump.graph("after_passes_piecewise.py", variant)
-        split = split_graph(variant)
+        with _lazy_code():
+            split = split_graph(variant)
         from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensorMode
 
