@@ -127,7 +127,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         sync()
     phase("cuda_init_s")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = LlamaConfig.preset(args.model)
+    cfg = LlamaConfig.preset(args.model, **({"num_layers": args.layers} if args.layers else {}))
     # Weights are built on the device with torch's default initialisation (seed=None): a
     # seeded draw runs on the host, minutes for the 8B shape, and startup is not about them.
     with torch.device(device):
@@ -275,6 +275,7 @@ def _spawn(args: argparse.Namespace, device: str, model: str, compiler: str, dir
     worker_args = [
         "--worker", "--device", device, "--model", model, "--graph-mode", args.graph_mode, "--compiler", compiler,
         "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
+        *(["--layers", str(args.layers)] if args.layers else []),
         "--capture-sizes", *map(str, args.capture_sizes),
         # An implementation named for the main device (triton) would not run the CPU measurement.
         *(["--attention-impl", args.attention_impl] if args.attention_impl and device == args.device else []),
@@ -347,6 +348,7 @@ def _measure(args: argparse.Namespace, device: str, model: str) -> dict[str, Any
     result: dict[str, Any] = {
         "device": first["device_name"],
         "model": model,
+        "layers": args.layers,
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "graph_mode": args.graph_mode,
         "capture_sizes": args.capture_sizes,
@@ -385,6 +387,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default=None, choices=["tiny", "mid", "llama3_8b"],
                     help="default: llama3_8b on cuda, tiny on cpu")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of the model (default: the preset's); e.g. the tiny model at 32 layers on a CPU")
     ap.add_argument("--graph-mode", default="full_and_piecewise")
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=DEFAULT_CAPTURE_SIZES)
     ap.add_argument("--attention-impl", default=None, help="default: triton on cuda, reference on cpu")
