@@ -54,7 +54,9 @@ class AttentionImpl:
 
     def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
         """Write the batch's new k/v into the layer's cache (``metadata.slot_mapping``; slots
-        < 0 are padding and skipped). Runs before :meth:`forward` whenever ``call.save_kv_cache``."""
+        < 0 are padding and skipped). Runs before :meth:`forward` whenever ``call.save_kv_cache``;
+        an implementation whose forward kernel can write them itself may leave them to it,
+        since :meth:`forward` always follows in the same call."""
         torch_ops.save_new_kv(call.k, call.v, ctx.metadata, cache)
 
     def step_plan(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> StepPlan | None:
