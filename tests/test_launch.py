@@ -137,16 +137,15 @@ def test_a_planned_launch_passes_only_addresses_once_compiled_and_falls_back_for
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     buf, meta = torch.zeros(64), torch.zeros(8, dtype=torch.int32)
     tail = (meta, 5, 0.5)
-    key = launcher.static_key((buf, buf) + tail, (16,), 4, 2)
     device = torch.device("cuda", 0)  # only its index is read: nothing touches a GPU here
-    first = launcher.plan((3, 1, 1), 2, tail, (16,), 4, 2, key, device)
+    first = launcher.plan((3, 1, 1), (buf, buf), tail, (16,), 4, 2, device)
     first(buf[:8], buf[8:16])
     assert len(jit_launches) == 1 and not c_launches, "the first launch compiles through Triton, with tensors"
     first(buf[16:24], buf[24:32])
     assert c_launches[-1] == (3, 1, 1, 77, "fn-handle", False, False, None, None, "meta", None, None, None,
                               buf[16:24].data_ptr(), buf[24:32].data_ptr(), meta.data_ptr(), 5, 0.5, 16)
     # A plan made later (the next step) finds the compiled kernel at once.
-    again = launcher.plan((3, 1, 1), 2, tail, (16,), 4, 2, key, device)
+    again = launcher.plan((3, 1, 1), (buf, buf), tail, (16,), 4, 2, device)
     again(buf[:8], buf[8:16])
     assert len(jit_launches) == 1 and len(c_launches) == 2
     again(buf[1:9], buf[8:16])
@@ -168,7 +167,7 @@ def test_a_new_batch_size_in_a_do_not_specialize_argument_launches_the_compiled_
     device = torch.device("cuda", 0)
     for count in (3, 70, 1000):  # one step each, planned anew with its own count
         tail = (64, count, 0.5)
-        plan = launcher.plan((1, 1, 1), 1, tail, (16,), 4, 2, launcher.static_key((buf,) + tail, (16,), 4, 2), device)
+        plan = launcher.plan((1, 1, 1), (buf,), tail, (16,), 4, 2, device)
         plan(buf)
     assert len(jit_launches) == 1, "Triton does not specialise on the count: neither does the launcher"
     assert [c[-3] for c in c_launches] == [70, 1000], "later counts go straight to the compiled kernel"

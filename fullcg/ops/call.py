@@ -242,10 +242,8 @@ def _check_cache(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None
         ctx.memo["fallback"] = True  # once per step
         telemetry.count_fallback(ctx.source)
     ctx.memo[("cache_ok", call.layer_id)] = cache
-    cache.fit = _fits.setdefault(
-        (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.k.dtype, cache.k.device, md.page_size),
-        (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.k.dtype, cache.k.device, md.page_size),
-    )
+    fit = (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.k.dtype, cache.k.device, md.page_size)
+    cache.fit = _fits.setdefault(fit, fit)
     return cache
 
 

@@ -100,9 +100,11 @@ class _CallPlan:
     __slots__ = ("save", "prefill", "decode", "lse", "return_lse", "skip", "use_cache", "device")
 
     def __init__(self, save: SaveLaunch | None, prefill: PrefillLaunch | None, decode: DecodeLaunch,
-                 lse: torch.Tensor | None, skip: bool, use_cache: bool, device: torch.device) -> None:
+                 lse: torch.Tensor | None, use_cache: bool, device: torch.device) -> None:
         self.save, self.prefill, self.decode = save, prefill, decode
-        self.lse, self.return_lse, self.skip, self.use_cache, self.device = lse, lse is None, skip, use_cache, device
+        self.lse, self.return_lse, self.use_cache, self.device = lse, lse is None, use_cache, device
+        # The layer's counters are looked up only if a launch counts skipped tiles.
+        self.skip = decode.skip or (prefill is not None and prefill.skip)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cache: KVCache | None,
                  layer_id: int) -> torch.Tensor | None:
@@ -221,8 +223,7 @@ class TritonAttention(AttentionImpl):
             slot_mapping=step.slot_mapping if fused_save else None,
             new_kv=(call.k, call.v) if fused_save else None, **source,
         )
-        skip = call.prefill_scale_factor is not None or call.decode_scale_factor is not None
-        return _CallPlan(save, prefill, decode, lse, skip, cache is not None, dev)
+        return _CallPlan(save, prefill, decode, lse, cache is not None, dev)
 
 
 register_implementation(TritonAttention())

@@ -337,11 +337,10 @@ def plan_decode(
     block_s = max(1, 8192 // (block_m * head_dim_v))
     constexprs = (group, block_m, tile_kv, split_tiles, block_s, head_dim, head_dim_v, src.paged, src.page_size, skip,
                   q.dtype == torch.float32, save)
-    # The key reads only dtypes off the leading tensors: an empty int64 stands in for the counters.
+    # Only the leading tensors' dtypes are read: an empty int64 stands in for the counters.
     counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
-    key = _DECODE.static_key((q, k, v, out, lse, counters, k_new, v_new) + tail, constexprs, num_warps, num_stages)
     grid = (max_splits, num_kv_heads, num_requests + 1)
-    launch = _DECODE.plan(grid, 8, tail, constexprs, num_warps, num_stages, key, q.device)
+    launch = _DECODE.plan(grid, (q, k, v, out, lse, counters, k_new, v_new), tail, constexprs, num_warps, num_stages)
     return DecodeLaunch(launch, skip, save)
 
 

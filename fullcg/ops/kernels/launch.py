@@ -130,19 +130,19 @@ class Launcher:
     def plan(
         self,
         grid: tuple[int, int, int],
-        num_leading: int,
+        leading: Sequence[torch.Tensor],
         tail: Sequence[Any],
         constexprs: tuple[Any, ...],
         num_warps: int,
         num_stages: int,
-        static_key: Any,
-        device: torch.device,
+        device: torch.device | None = None,
     ) -> PlannedLaunch:
-        """A launch whose arguments after the first ``num_leading`` (tensors, given per call)
-        are ``tail``, fixed: see :class:`PlannedLaunch`. ``static_key`` is as for
-        :meth:`launch_keyed`, built over leading and trailing arguments."""
-        return PlannedLaunch(self, grid, num_leading, tuple(tail), constexprs, num_warps, num_stages, static_key,
-                             device)
+        """A launch whose arguments after the leading tensors (given per call) are ``tail``,
+        fixed: see :class:`PlannedLaunch`. ``leading`` are example leading tensors, read only
+        for their dtypes (the specialisation); ``device`` (default: theirs) is where it runs."""
+        key = self.static_key((*leading, *tail), constexprs, num_warps, num_stages)
+        return PlannedLaunch(self, grid, len(leading), tuple(tail), constexprs, num_warps, num_stages, key,
+                             device if device is not None else leading[0].device)
 
     def launch_keyed(
         self,
@@ -178,16 +178,16 @@ class Launcher:
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *raw, *constexprs)
 
-    def _direct_entry(self, static_key: Any, device: int, positions: tuple[int, ...], num_leading: int,
+    def _direct_entry(self, static_key: Any, device: int, num_leading: int,
                       tail_alignment: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]] | None:
-        """The C launch of the compiled specialisation with aligned leading tensors, and the
-        arguments it takes between the stream and the kernel's own (None until compiled)."""
+        """The C launch of the compiled specialisation with ``num_leading`` aligned leading
+        tensors, and the arguments it takes between the stream and the kernel's own (None
+        until compiled)."""
         key = (static_key, device, tail_alignment)
         entry = self._direct.get(key)
         if entry is None:
             found = self._by_static_key.get((static_key, device))
-            leading = sum(1 for i in positions if i < num_leading)
-            kernel = found[1].get((0,) * leading + tail_alignment) if found is not None else None
+            kernel = found[1].get((0,) * num_leading + tail_alignment) if found is not None else None
             if kernel is None:
                 return None
             run = kernel.run
@@ -231,7 +231,7 @@ class PlannedLaunch:
     """
 
     __slots__ = ("launcher", "grid", "num_leading", "tail", "raw_tail", "constexprs", "num_warps", "num_stages",
-                 "static_key", "device", "device_index", "_positions", "_tail_alignment", "_direct")
+                 "static_key", "device", "device_index", "_tail_alignment", "_direct")
 
     def __init__(self, launcher: Launcher, grid: tuple[int, int, int], num_leading: int, tail: tuple[Any, ...],
                  constexprs: tuple[Any, ...], num_warps: int, num_stages: int, static_key: Any,
@@ -240,19 +240,17 @@ class PlannedLaunch:
         self.constexprs, self.num_warps, self.num_stages = constexprs, num_warps, num_stages
         self.static_key, self.device = static_key, device
         self.device_index = device.index if device.index is not None else 0
-        self._positions = tuple(num_leading + i for i, a in enumerate(tail) if isinstance(a, torch.Tensor))
         raw = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tail)
         self.raw_tail = raw + constexprs
-        self._tail_alignment = tuple(raw[i - num_leading] & 15 for i in self._positions)
+        # launch_keyed keys alignment over every tensor argument in order: leading, then these.
+        self._tail_alignment = tuple(r & 15 for r, a in zip(raw, tail) if isinstance(a, torch.Tensor))
         self._direct: tuple[Any, tuple[Any, ...]] | None = None
         if device.type == "cuda" and not _INTERPRET and not _hooked():
             self._find_direct()
 
     def _find_direct(self) -> None:
-        leading = tuple(range(self.num_leading))  # every leading argument is a tensor
-        self._direct = self.launcher._direct_entry(
-            self.static_key, self.device_index, leading + self._positions, self.num_leading, self._tail_alignment
-        )
+        self._direct = self.launcher._direct_entry(self.static_key, self.device_index, self.num_leading,
+                                                   self._tail_alignment)
 
     def __call__(self, *leading: torch.Tensor) -> None:
         direct = self._direct

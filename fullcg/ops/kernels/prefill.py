@@ -192,10 +192,10 @@ def plan_prefill(
     constexprs = (group, tile_q, block_m, tile_kv, head_dim, head_dim_v, src.paged, src.page_size, causal, skip,
                   q.dtype == torch.float32)
     grid = (triton.cdiv(q.shape[0], tile_q), num_kv_heads, num_requests)
-    # The key reads only dtypes off the leading tensors: an empty int64 stands in for the counters.
+    # Only the leading tensors' dtypes are read: an empty int64 stands in for the counters.
     counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
-    key = _PREFILL.static_key((q, k, v, out, lse, counters) + tail, constexprs, num_warps, num_stages)
-    return PrefillLaunch(_PREFILL.plan(grid, 6, tail, constexprs, num_warps, num_stages, key, q.device), skip)
+    return PrefillLaunch(_PREFILL.plan(grid, (q, k, v, out, lse, counters), tail, constexprs, num_warps, num_stages),
+                         skip)
 
 
 def prefill_attention(

@@ -94,8 +94,7 @@ def plan_save(
     row_k, row_v = k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]
     tail = (slot_mapping, k.stride(0), v.stride(0))
     constexprs = (row_k, row_v, _next_pow2(row_k), _next_pow2(row_v))
-    key = _SAVE.static_key((k, v, k_cache, v_cache) + tail, constexprs, 4, 3)
-    return SaveLaunch(_SAVE.plan((n, 1, 1), 4, tail, constexprs, 4, 3, key, k.device), slot_mapping)
+    return SaveLaunch(_SAVE.plan((n, 1, 1), (k, v, k_cache, v_cache), tail, constexprs, 4, 3), slot_mapping)
 
 
 def _next_pow2(n: int) -> int:
