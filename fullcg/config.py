@@ -57,9 +57,11 @@ class GraphMode(str, enum.Enum):
     FULL = "full"
     #: Decode-only batches in one full graph, every other batch piecewise.
     FULL_AND_PIECEWISE = "full_and_piecewise"
-    #: The fastest safe path per step: one full graph for every batch kind whenever the
-    #: attention implementation is capture-safe and the model gathers no prefix chunks on
-    #: the host; piecewise otherwise. The default.
+    #: The fastest safe path per step: one full graph for decode-only batches and for other
+    #: batches of at most ``FullCGConfig.auto_full_max_tokens`` tokens, piecewise for larger
+    #: ones (their attention runs with exact grids, which a full graph's worst-case grids
+    #: cannot); piecewise for every batch when the attention implementation cannot be
+    #: captured or the model gathers prefix chunks on the host. The default.
     AUTO = "auto"
 
     def __str__(self) -> str:
@@ -226,6 +228,10 @@ class FullCGConfig:
         max_pages_per_request: page-table columns that captured full graphs hold for one
             request (its longest prefix plus new tokens, in pages); None = the KV cache's
             page count. A batch with a longer page table runs uncaptured.
+        auto_full_max_tokens: under ``graph_mode="auto"``, the most tokens (after padding to
+            a capture size) a batch with prefill or extend requests may have to run as a full
+            graph; larger ones run piecewise. Decode-only batches always run full. None =
+            every batch full.
         compile_cache: keep what compiling produced on disk and load it back in the next
             process (:mod:`fullcg.compile_cache`); off also with ``FULLCG_DISABLE_COMPILE_CACHE=1``.
         cache_dir: where the compile cache lives; None = ``$FULLCG_CACHE_DIR``, else
@@ -243,6 +249,7 @@ class FullCGConfig:
     debug_graph_inputs: bool = False
     debug_checks: bool = False
     max_pages_per_request: int | None = None
+    auto_full_max_tokens: int | None = 128
     compile_cache: bool = True
     cache_dir: str | None = None
 
@@ -290,6 +297,8 @@ class FullCGConfig:
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
         if self.max_pages_per_request is not None:
             _positive_int(self.max_pages_per_request, "max_pages_per_request")
+        if self.auto_full_max_tokens is not None:
+            _positive_int(self.auto_full_max_tokens, "auto_full_max_tokens")
         for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -130,15 +130,19 @@ class StepRunner:
                                    "CUDA graph; full steps run uncaptured (use attention_impl='triton' or 'flashinfer')")
         return self._full_ok
 
-    def choose(self, ctx: ForwardContext) -> str:
-        """``"full"`` or ``"piecewise"`` for the current step (see :class:`GraphMode`)."""
+    def choose(self, decode_only: bool, tokens: int) -> str:
+        """``"full"`` or ``"piecewise"`` for a step of ``tokens`` tokens (padded to its capture
+        size when it has one) of the given batch kind (see :class:`GraphMode`)."""
         if self.piecewise is None:
             return "full"
         if self.full is None:
             return "piecewise"
         if self.config.graph_mode is GraphMode.AUTO:
-            return "full" if self.full_capture_ok() else "piecewise"
-        return "full" if ctx.metadata.is_decode_only else "piecewise"
+            if not self.full_capture_ok():
+                return "piecewise"
+            limit = self.config.auto_full_max_tokens
+            return "full" if decode_only or limit is None or tokens <= limit else "piecewise"
+        return "full" if decode_only else "piecewise"
 
     # ------------------------------------------------------------------ the step
 
@@ -154,9 +158,10 @@ class StepRunner:
                 cache.compiled = True
         if self.captures and (_take_capture_request() or (self.config.capture_on_compile and first_call)):
             self.capture_all(args, ctx)
-        variant = self.choose(ctx)
         n = self.stager.num_tokens(args) if self.captures else None
         size = cudagraph.padded_size(n, self.sizes) if n is not None else None
+        decode_only = ctx.metadata.is_decode_only
+        variant = self.choose(decode_only, size or n or ctx.metadata.num_tokens)
         if size is not None and variant == "full":
             if not self.full_capture_ok():
                 size = None
@@ -217,25 +222,29 @@ class StepRunner:
     def capture_all(self, args: tuple[Any, ...], ctx: ForwardContext) -> None:
         """Capture every size up front (largest first, so smaller graphs reuse its pool memory).
 
-        Captures what the policy will replay: full graphs for decode-only and for other
-        batches where the full graph is chosen for them, pieces where piecewise is.
+        Captures what the policy will replay (:meth:`choose`): per size and batch kind, the
+        full graph or the pieces. Pieces serve every batch kind, so they are captured once.
         """
         page_size = next(iter(ctx.kv_caches.values())).page_size if ctx.kv_caches else 16
-        mode = self.config.graph_mode
-        full_ok = self.full_capture_ok()
-        full_kinds = () if not full_ok else (True,) if mode is GraphMode.FULL_AND_PIECEWISE else (True, False)
-        pieces = self.piecewise is not None and (mode is not GraphMode.AUTO or not full_ok)
-        jobs = []
-        for size in sorted(self.sizes, reverse=True):
-            jobs += [("full", size, decode_only) for decode_only in full_kinds]
-            if pieces:
-                jobs.append(("piecewise", size, False))
+        jobs = self.capture_jobs()
         bar = _progress(len(jobs), "fullcg: capturing CUDA graphs")
         with counts_discarded():  # stand-in batches: not steps the counters report
-            self._capture_jobs(jobs, args, ctx, page_size, bar)
+            self._capture(jobs, args, ctx, page_size, bar)
         bar(0, done=True)
 
-    def _capture_jobs(self, jobs: list[tuple[str, int, bool]], args: tuple[Any, ...], ctx: ForwardContext,
+    def capture_jobs(self) -> list[tuple[str, int, bool]]:
+        """``(variant, size, decode_only)`` for every graph :meth:`capture_all` captures,
+        largest size first. Pieces serve both batch kinds (``decode_only`` False)."""
+        full_ok = self.full_capture_ok()
+        jobs = []
+        for size in sorted(self.sizes, reverse=True):
+            variants = {decode_only: self.choose(decode_only, size) for decode_only in (True, False)}
+            jobs += [("full", size, decode_only) for decode_only, v in variants.items() if v == "full" and full_ok]
+            if "piecewise" in variants.values():
+                jobs.append(("piecewise", size, False))
+        return jobs
+
+    def _capture(self, jobs: list[tuple[str, int, bool]], args: tuple[Any, ...], ctx: ForwardContext,
                       page_size: int, bar: Callable[..., None]) -> None:
         for variant, size, decode_only in jobs:
             md = cudagraph.dummy_metadata(size, decode_only, page_size, self.device)

@@ -203,6 +203,14 @@ def test_max_capture_size_is_bounded():
         fullcg.FullCGConfig(capture_sizes=(1, 10**6))
 
 
+@pytest.mark.parametrize("bad", [0, -8, 12.5, True, "128"])
+def test_auto_full_max_tokens_must_be_a_positive_integer_or_none(bad):
+    with pytest.raises(errors.InvalidConfigError) as e:
+        fullcg.FullCGConfig(auto_full_max_tokens=bad)
+    assert _first_line(e) == f"auto_full_max_tokens must be a positive integer, got {bad!r}"
+    assert fullcg.FullCGConfig(auto_full_max_tokens=None).auto_full_max_tokens is None
+
+
 def test_capture_sizes_must_be_a_sequence():
     with pytest.raises(TypeError) as e:
         fullcg.FullCGConfig(capture_sizes=8)

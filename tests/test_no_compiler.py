@@ -187,8 +187,9 @@ def test_captured_segments_replay_what_eager_computes_over_changing_batches(mode
     # One capture per padded size, every later step of that size replays its segments.
     replays = collections.Counter()
     for md in steps:
-        if runner.choose(_ctx(md, config)) == "piecewise" and md.num_tokens <= SIZES[-1]:
-            replays[next(s for s in SIZES if s >= md.num_tokens)] += 1
+        size = next((s for s in SIZES if s >= md.num_tokens), None)
+        if size is not None and runner.choose(md.is_decode_only, size) == "piecewise":
+            replays[size] += 1
     assert set(segmented.entries) == set(replays)
     per_size = {size: sum(g is not None for g, _ in e.segments) for size, e in segmented.entries.items()}
     assert graphs.captured == sum(per_size.values())
@@ -211,10 +212,6 @@ def test_a_segment_of_views_and_allocations_is_empty_but_a_converting_to_is_not(
     assert launches_nothing(aten.to.dtype, (x, torch.int64), {}, x.to(torch.int64)), "no conversion: x itself"
     assert not launches_nothing(aten.to.dtype, (x, torch.float32), {}, x.to(torch.float32)), "a view by schema, a copy"
     assert not launches_nothing(aten.add_.Tensor, (x, x), {}, x), "in place: a kernel"
-
-
-def _ctx(md, config):
-    return fullcg.context.ForwardContext(md, {}, config, False)
 
 
 def test_capture_up_front_then_steps_only_replay():

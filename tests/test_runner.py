@@ -9,6 +9,7 @@ import torch
 
 import fullcg
 from fullcg import cudagraph
+from fullcg.config import GraphMode
 from fullcg.ops.impl import AttentionImpl, register_implementation
 from fullcg.runner import StepRunner
 from batches import make_batch
@@ -97,27 +98,58 @@ def test_full_graphs_are_captured_only_with_a_capture_safe_implementation_and_no
         assert "gathers prefix chunks on the host" in caplog.text
 
 
-def _ctx(md: fullcg.AttentionMetadata) -> fullcg.context.ForwardContext:
-    return fullcg.context.ForwardContext(md, {}, fullcg.FullCGConfig(), False)
-
-
-def test_auto_runs_every_batch_kind_full_with_a_capture_safe_implementation_and_piecewise_otherwise():
+def test_auto_runs_decodes_and_small_batches_full_with_a_capture_safe_implementation_and_piecewise_otherwise():
     register_implementation(_SafeImpl())
     decode, mixed, prefill = make_batch([1, 1], [3, 5]), make_batch([4, 1], [0, 5]), make_batch([7], [0])
 
-    def runner(impl: str, gathers: bool = False, mode: str = "auto") -> StepRunner:
-        config = fullcg.FullCGConfig(attention_impl=impl, graph_mode=mode)
+    def runner(impl: str, gathers: bool = False, mode: str = "auto", **options) -> StepRunner:
+        config = fullcg.FullCGConfig(attention_impl=impl, graph_mode=mode, **options)
         return StepRunner(config, piecewise=lambda *a: a, full=lambda *a: a, device=torch.device("cpu"),
                           full_capturable=not gathers)
 
-    batches = (decode, mixed, prefill)
-    assert [runner("capture-safe-stub").choose(_ctx(b.metadata)) for b in batches] == ["full"] * 3
-    assert [runner("reference").choose(_ctx(b.metadata)) for b in batches] == ["piecewise"] * 3
-    assert [runner("capture-safe-stub", gathers=True).choose(_ctx(b.metadata)) for b in batches] == ["piecewise"] * 3
+    def choices(r: StepRunner, tokens: int) -> list[str]:
+        return [r.choose(b.metadata.is_decode_only, tokens) for b in (decode, mixed, prefill)]
+
+    limit = fullcg.FullCGConfig().auto_full_max_tokens
+    assert choices(runner("capture-safe-stub"), limit) == ["full"] * 3
+    assert choices(runner("capture-safe-stub"), limit + 1) == ["full", "piecewise", "piecewise"], (
+        "auto: batches with prefill or extend requests above auto_full_max_tokens run piecewise"
+    )
+    assert choices(runner("capture-safe-stub", auto_full_max_tokens=None), 10**6) == ["full"] * 3
+    assert choices(runner("capture-safe-stub", auto_full_max_tokens=4), 5) == ["full", "piecewise", "piecewise"]
+    assert choices(runner("reference"), 1) == ["piecewise"] * 3
+    assert choices(runner("capture-safe-stub", gathers=True), 1) == ["piecewise"] * 3
     fp = runner("capture-safe-stub", mode="full_and_piecewise")
-    assert [fp.choose(_ctx(b.metadata)) for b in batches] == ["full", "piecewise", "piecewise"], (
+    assert choices(fp, 1) == ["full", "piecewise", "piecewise"], (
         "full_and_piecewise: decode-only batches full, the rest piecewise, whatever the implementation"
     )
+
+
+@pytest.mark.parametrize(
+    "mode, impl, options, expected",
+    [
+        ("auto", "capture-safe-stub", {"auto_full_max_tokens": 4},
+         [("full", 8, True), ("piecewise", 8, False), ("full", 4, True), ("full", 4, False),
+          ("full", 1, True), ("full", 1, False)]),
+        ("auto", "capture-safe-stub", {"auto_full_max_tokens": None},
+         [("full", 8, True), ("full", 8, False), ("full", 4, True), ("full", 4, False),
+          ("full", 1, True), ("full", 1, False)]),
+        ("auto", "reference", {}, [("piecewise", 8, False), ("piecewise", 4, False), ("piecewise", 1, False)]),
+        ("full_and_piecewise", "capture-safe-stub", {},
+         [("full", 8, True), ("piecewise", 8, False), ("full", 4, True), ("piecewise", 4, False),
+          ("full", 1, True), ("piecewise", 1, False)]),
+        ("piecewise", "capture-safe-stub", {}, [("piecewise", 8, False), ("piecewise", 4, False), ("piecewise", 1, False)]),
+        ("full", "reference", {}, []),
+    ],
+)
+def test_capture_all_captures_exactly_what_the_policy_replays(mode, impl, options, expected):
+    register_implementation(_SafeImpl())
+    config = fullcg.FullCGConfig(attention_impl=impl, graph_mode=mode, capture_sizes=(1, 4, 8), **options)
+    config_mode = config.graph_mode
+    runner = StepRunner(config, piecewise=None if config_mode is GraphMode.FULL else (lambda *a: a),
+                        full=None if config_mode is GraphMode.PIECEWISE else (lambda *a: a),
+                        device=torch.device("cpu"))
+    assert runner.capture_jobs() == expected
 
 
 def test_static_tables_are_shared_by_every_capture_size_and_sized_by_max_pages_per_request():

@@ -54,14 +54,21 @@ def test_compiled_serving_loop_matches_eager_with_one_graph_and_every_step_count
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise", "auto"])
-def test_compiled_serving_loop_matches_eager_with_cuda_graphs(mode):
+@pytest.mark.parametrize("mode, auto_full_max_tokens", [
+    ("piecewise", None), ("full_and_piecewise", None), ("auto", None), ("auto", 8),
+])
+def test_compiled_serving_loop_matches_eager_with_cuda_graphs(mode, auto_full_max_tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     loop = ServingLoop(seed=2, num_steps=300, device="cuda")
-    config = fullcg.FullCGConfig(compiler="inductor", graph_mode=mode, capture_sizes=(1, 2, 4, 8, 16, 24))
+    config = fullcg.FullCGConfig(compiler="inductor", graph_mode=mode, capture_sizes=(1, 2, 4, 8, 16, 24),
+                                 auto_full_max_tokens=auto_full_max_tokens)
     backend = _play(loop, config, atol=2e-4)
     assert len(backend.runners) == 1
     counts = fullcg.graph_mode_counts()
     assert sum(counts.values()) == 300, counts
     assert sum(n for k, n in counts.items() if k.endswith(":captured")) == 300, counts
+    if auto_full_max_tokens is not None:
+        assert counts["full:captured"] and counts["piecewise:captured"], (
+            f"auto with a limit of {auto_full_max_tokens} tokens runs small batches full and larger ones piecewise"
+        )
