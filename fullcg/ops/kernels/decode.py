@@ -45,6 +45,10 @@ _LOG2E = 1.4426950408889634
 #: depend on the split, so the launcher picks a count that fills the GPU, up to this).
 MAX_DENSE_SPLITS = 64
 
+#: Partial-result values the merging program loads at once ([runs, rows, head dim]):
+#: 8k values are 64 per thread at 4 warps, whatever the head dim.
+MERGE_BLOCK_VALUES = 8192
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
@@ -332,9 +336,8 @@ def plan_decode(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale * _LOG2E, float(factor) if skip else 0.0, num_splits, num_requests, q.shape[0], num_kv_heads,
     )
-    # The merge holds [BLOCK_S, BLOCK_M, HEAD_DV] floats: a few runs at a time (8k values,
-    # 64 per thread at 4 warps, whatever the head dim).
-    block_s = max(1, 8192 // (block_m * head_dim_v))
+    # The merge holds [BLOCK_S, BLOCK_M, HEAD_DV] floats: a few runs at a time.
+    block_s = max(1, MERGE_BLOCK_VALUES // (block_m * head_dim_v))
     constexprs = (group, block_m, tile_kv, split_tiles, block_s, head_dim, head_dim_v, src.paged, src.page_size, skip,
                   q.dtype == torch.float32, save)
     # Only the leading tensors' dtypes are read: an empty int64 stands in for the counters.
