@@ -4,7 +4,8 @@
 
 One layer's decode attention over the paged cache (32 query / 8 KV heads of 128, bf16,
 page 16), as the Triton implementation plans it (``plan_decode``), with the split count,
-the fused k/v save and the launch options varied one at a time. Each figure is the
+the shortest run, the merge's load size, the fused k/v save and the launch options varied
+one at a time. Each figure is the
 median over 5 repeats of (CUDA-event time of 200 back-to-back launches) / 200, so host
 launch cost is hidden behind the GPU's work. Prints one line per variant.
 """
@@ -81,17 +82,23 @@ def main() -> None:
                      ("wide page table (full graph)", {"wide": True}),
                      ("num_warps=8", {"num_warps": 8}), ("num_stages=1", {"num_stages": 1}),
                      ("num_stages=3", {"num_stages": 3})]
-        variants += [("merge one run at a time", {"merge_values": 1}),
-                     ("merge one run at a time, num_splits=4", {"merge_values": 1, "num_splits": 4})]
+        variants += [("runs of at least 1 tile", {"MIN_DENSE_RUN_TILES": 1}),
+                     ("runs of at least 2 tiles", {"MIN_DENSE_RUN_TILES": 2}),
+                     ("runs of at least 8 tiles", {"MIN_DENSE_RUN_TILES": 8}),
+                     ("merge one run at a time", {"MERGE_BLOCK_VALUES": 1}),
+                     ("runs of at least 1 tile, merge one run at a time",
+                      {"MIN_DENSE_RUN_TILES": 1, "MERGE_BLOCK_VALUES": 1})]
         for name, options in variants:
-            merge_values = options.pop("merge_values", None)
-            saved = decode_module.MERGE_BLOCK_VALUES
-            if merge_values is not None:
-                decode_module.MERGE_BLOCK_VALUES = merge_values
+            # Module constants the plan reads (upper case), set for this plan only.
+            constants = {key: options.pop(key) for key in [k for k in options if k.isupper()]}
+            saved = {key: getattr(decode_module, key) for key in constants}
+            for key, value in constants.items():
+                setattr(decode_module, key, value)
             try:
                 launch = plan(**options)
             finally:
-                decode_module.MERGE_BLOCK_VALUES = saved
+                for key, value in saved.items():
+                    setattr(decode_module, key, value)
             us = time_us(lambda: launch(q, k, v, out, lse, None, k_new, v_new))
             print(f"batch {batch:3d}  {us:8.2f} us  {kv_bytes / us / 1e6:6.2f} TB/s  {name}  [{_resources(launch)}]",
                   flush=True)
