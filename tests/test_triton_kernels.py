@@ -172,17 +172,9 @@ def _decode_kernel(b: Batch, num_splits: int | None, num_tokens: int | None = No
     return out, lse
 
 
-@pytest.fixture
-def one_tile_runs(monkeypatch):
-    """Dense runs as short as one tile: the small test batches then split into many runs."""
-    monkeypatch.setattr(fullcg.ops.kernels.decode, "MIN_DENSE_RUN_TILES", 1)
-
-
-@pytest.mark.parametrize("min_run_tiles", [1, 4])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 64, None])
-def test_dense_decode_divides_each_request_into_its_own_runs(monkeypatch, num_splits, min_run_tiles):
+def test_dense_decode_divides_each_request_into_its_own_runs(num_splits):
     # Requests of 5, 1 and 3 tiles: more runs than tiles, fewer, and uneven divisions.
-    monkeypatch.setattr(fullcg.ops.kernels.decode, "MIN_DENSE_RUN_TILES", min_run_tiles)
     b = batch("decode")
     ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
     out, lse = _decode_kernel(b, num_splits)
@@ -190,37 +182,15 @@ def test_dense_decode_divides_each_request_into_its_own_runs(monkeypatch, num_sp
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
-def test_dense_runs_cover_at_least_the_minimum_run_of_tiles():
-    # 64 runs asked for, requests of 5, 1 and 3 tiles: runs of at least MIN_DENSE_RUN_TILES
-    # (4) tiles, so 2, 1 and 1 runs write partial results; the rest of the workspace is untouched.
-    assert fullcg.ops.kernels.decode.MIN_DENSE_RUN_TILES == 4
-    b = batch("decode")
-    md, cache = b.metadata, b.layer.kv_cache
-    ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))  # also saves the new k/v
-    workspace: dict = {}
-    options = dict(query_start_loc=md.query_start_loc, is_decode=md.is_decode, scale=b.layer.scale, factor=None,
-                   tile_kv=TILES["tile_kv"], split_tiles=None, max_kv_len=md.page_table.shape[1] * cache.page_size,
-                   page_table=md.page_table, seq_lens=md.seq_lens, num_splits=64, workspace=workspace)
-    out, lse = torch.empty_like(b.q), torch.empty(b.q.shape[:2], device=DEVICE)
-    decode_attention(b.q, cache.k, cache.v, out, lse, None, **options)
-    ((_, part_lse, _),) = workspace.values()
-    part_lse.fill_(float("nan"))
-    decode_attention(b.q, cache.k, cache.v, out, lse, None, **options)
-    written = (~part_lse.isnan()).all(-1).sum(-1).tolist()  # runs per request that stored a partial
-    assert written == [2, 0, 0], "a request of one run writes `out` directly, with no partial"
-    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
-
-
 @pytest.mark.parametrize("use_kv_cache", [True, False], ids=["cache", "ragged"])
-def test_dense_decode_spread_over_many_sms_matches_the_reference(monkeypatch, one_tile_runs, use_kv_cache):
+def test_dense_decode_spread_over_many_sms_matches_the_reference(monkeypatch, use_kv_cache):
     # The CPU reports one SM, so the layer path would use one run; pretend to be an H200.
     monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: 132)
     assert_same(batch("mixed"), SkipSoftmaxConfig(**TILES), use_kv_cache=use_kv_cache)
     assert_same(batch("decode"), SkipSoftmaxConfig(**TILES), use_kv_cache=use_kv_cache)
 
 
-def test_decode_rows_past_the_real_token_count_are_zero(one_tile_runs):
+def test_decode_rows_past_the_real_token_count_are_zero():
     # CUDA-graph padding: stand-in decode requests own the rows past the real count.
     b = batch("decode")
     ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
@@ -413,7 +383,7 @@ def test_decode_replays_under_cuda_graph_capture_with_counters():
 
 
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-run", "three-runs"])
-def test_decode_only_steps_write_the_new_kv_inside_the_decode_kernel(monkeypatch, one_tile_runs, splits):
+def test_decode_only_steps_write_the_new_kv_inside_the_decode_kernel(monkeypatch, splits):
     # The decode kernel's last run of each request puts the request's new token into the
     # cache before reading it; no separate save launch runs. Poisoned slots prove the write.
     monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: splits * 3)
@@ -432,7 +402,7 @@ def test_decode_only_steps_write_the_new_kv_inside_the_decode_kernel(monkeypatch
     torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=2e-5, rtol=1e-4)
 
 
-def test_runs_merged_in_the_decode_kernel_leave_its_arrival_counts_at_zero(one_tile_runs):
+def test_runs_merged_in_the_decode_kernel_leave_its_arrival_counts_at_zero():
     # The last program to finish a request's runs merges them and resets the count, so one
     # workspace serves every layer of a step and every replay of a graph.
     b = batch("decode")
@@ -513,7 +483,7 @@ def test_runs_merged_in_one_launch_give_the_same_bits_every_time_on_gpu(heads):
         assert torch.equal(out, first_out) and torch.equal(lse, first_lse)
 
 
-def test_layers_of_one_query_shape_but_different_kv_heads_share_no_arrival_counts(one_tile_runs):
+def test_layers_of_one_query_shape_but_different_kv_heads_share_no_arrival_counts():
     # One step's workspace serves every layer; the arrival counts are per KV head, so a layer
     # with more KV heads must not count into a smaller layer's buffer.
     workspace: dict = {}

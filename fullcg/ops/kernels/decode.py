@@ -15,10 +15,8 @@ holds the request's newest key first writes the new token's k/v into the cache s
 other program) has to order itself after the write.
 
 Dense decode (no skip factor, no configured split) splits every request's keys into a
-fixed *number* of runs of at least :data:`MIN_DENSE_RUN_TILES` tiles, sized on the device
-from the request's own length: a CUDA graph captured against a large cache capacity still
-spreads a short context over the SMs, and a short one is not cut into runs too small to
-pay for their program and their share of the merge.
+fixed *number* of runs, sized on the device from the request's own length: a CUDA graph
+captured against a large cache capacity still spreads a short context over the SMs.
 Skip-softmax decode splits into runs of a fixed number of *tiles* (the skip rule's unit),
 so its grid is sized from the capacity and programs past a request's splits exit at once.
 
@@ -47,16 +45,12 @@ _LOG2E = 1.4426950408889634
 #: depend on the split, so the launcher picks a count that fills the GPU, up to this).
 MAX_DENSE_SPLITS = 64
 
-#: Fewest tiles a dense run covers (a request shorter than this many tiles per run gets
-#: fewer runs). Each run costs a program's fixed work (metadata, q, the partial's store,
-#: its arrival) and the merge more loads: on an H200 (8B layer, batch 1, 1k keys = 17
-#: tiles), 33 runs of one tile took 49.6 us per launch, 4 runs of 5 tiles 17.5 us
+#: Runs whose partial results the merging program loads at once. The merge's tensors set
+#: the kernel's register count for every program, merging or not: on an H200 (8B layer,
+#: 1k keys) one run at a time takes 126 registers where 4 took 168, and the launch 14 us
+#: instead of 50 at batch 1, 16 instead of 46 at batch 8, 75 instead of 95 at batch 64
 #: (``benchmarks/decode_kernel.py``).
-MIN_DENSE_RUN_TILES = 4
-
-#: Partial-result values the merging program loads at once ([runs, rows, head dim]):
-#: 8k values are 64 per thread at 4 warps, whatever the head dim.
-MERGE_BLOCK_VALUES = 8192
+MERGE_RUNS_PER_LOAD = 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,12 +61,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 @triton.jit
-def _split_tiles(n_tiles, num_splits, SPLIT_TILES: tl.constexpr, MIN_RUN_TILES: tl.constexpr):
-    """Tiles per run: fixed (SPLIT_TILES > 0) or the request's tiles over ``num_splits``
-    runs, at least MIN_RUN_TILES (fewer runs then)."""
+def _split_tiles(n_tiles, num_splits, SPLIT_TILES: tl.constexpr):
+    """Tiles per run: fixed (SPLIT_TILES > 0) or the request's tiles over ``num_splits`` runs."""
     if SPLIT_TILES > 0:
         return n_tiles * 0 + SPLIT_TILES
-    return tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_RUN_TILES)
+    return tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
 
 
 @triton.jit
@@ -100,7 +93,7 @@ def _decode_kernel(
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     qk_scale2, factor, num_splits, num_requests, num_rows, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    MIN_RUN_TILES: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SKIP: tl.constexpr, DOT_F32: tl.constexpr, SAVE: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -129,7 +122,7 @@ def _decode_kernel(
         kv_start = tl.load(KvLoc + req)
         kv_len = tl.load(KvLoc + req + 1) - kv_start
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    split_tiles = _split_tiles(n_tiles, num_splits, SPLIT_TILES, MIN_RUN_TILES)
+    split_tiles = _split_tiles(n_tiles, num_splits, SPLIT_TILES)
     # At most the grid's runs (more only with keys past max_kv_len, which metadata refuses):
     # a run counted here but never launched would leave its arrival count short for good.
     n_splits = tl.minimum(tl.cdiv(n_tiles, split_tiles), tl.num_programs(0))
@@ -312,7 +305,7 @@ def plan_decode(
         # would otherwise leave most of the GPU idle), sized from shapes only.
         if num_splits is None:
             num_splits = triton.cdiv(2 * _sm_count(q.device), num_kv_heads * max(1, num_requests))
-        num_splits = max(1, min(num_splits, triton.cdiv(max_tiles, MIN_DENSE_RUN_TILES), MAX_DENSE_SPLITS))
+        num_splits = max(1, min(num_splits, max_tiles, MAX_DENSE_SPLITS))
         split_tiles = 0
         max_splits = num_splits
     if num_tokens is None:
@@ -346,9 +339,7 @@ def plan_decode(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale * _LOG2E, float(factor) if skip else 0.0, num_splits, num_requests, q.shape[0], num_kv_heads,
     )
-    # The merge holds [BLOCK_S, BLOCK_M, HEAD_DV] floats: a few runs at a time.
-    block_s = max(1, MERGE_BLOCK_VALUES // (block_m * head_dim_v))
-    constexprs = (group, block_m, tile_kv, split_tiles, MIN_DENSE_RUN_TILES, block_s, head_dim, head_dim_v, src.paged, src.page_size, skip,
+    constexprs = (group, block_m, tile_kv, split_tiles, MERGE_RUNS_PER_LOAD, head_dim, head_dim_v, src.paged, src.page_size, skip,
                   q.dtype == torch.float32, save)
     # Only the leading tensors' dtypes are read: an empty int64 stands in for the counters.
     counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
