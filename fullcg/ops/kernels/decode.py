@@ -47,9 +47,9 @@ MAX_DENSE_SPLITS = 64
 
 #: Runs whose partial results the merging program loads at once. The merge's tensors set
 #: the kernel's register count for every program, merging or not: on an H200 (8B layer,
-#: 1k keys) one run at a time takes 126 registers where 4 took 168, and the launch 14 us
-#: instead of 50 at batch 1, 16 instead of 46 at batch 8, 75 instead of 95 at batch 64
-#: (``benchmarks/decode_kernel.py``).
+#: 1k keys, the default runs) one run at a time takes 126 registers where 4 took 168, and
+#: the launch 12.9 us instead of 50.8 at batch 1, 16.4 instead of 45.9 at batch 8, 74.7
+#: instead of 94.8 at batch 64 (``benchmarks/decode_kernel.py``).
 MERGE_RUNS_PER_LOAD = 1
 
 
