@@ -245,7 +245,7 @@ class StepRunner:
         return jobs
 
     def _capture(self, jobs: list[tuple[str, int, bool]], args: tuple[Any, ...], ctx: ForwardContext,
-                      page_size: int, bar: Callable[..., None]) -> None:
+                 page_size: int, bar: Callable[..., None]) -> None:
         for variant, size, decode_only in jobs:
             md = cudagraph.dummy_metadata(size, decode_only, page_size, self.device)
             staged = self.stager.dummy(args, size)

@@ -339,8 +339,8 @@ def plan_decode(
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale * _LOG2E, float(factor) if skip else 0.0, num_splits, num_requests, q.shape[0], num_kv_heads,
     )
-    constexprs = (group, block_m, tile_kv, split_tiles, MERGE_RUNS_PER_LOAD, head_dim, head_dim_v, src.paged, src.page_size, skip,
-                  q.dtype == torch.float32, save)
+    constexprs = (group, block_m, tile_kv, split_tiles, MERGE_RUNS_PER_LOAD, head_dim, head_dim_v, src.paged,
+                  src.page_size, skip, q.dtype == torch.float32, save)
     # Only the leading tensors' dtypes are read: an empty int64 stands in for the counters.
     counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
     grid = (max_splits, num_kv_heads, num_requests + 1)
