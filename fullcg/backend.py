@@ -2,14 +2,14 @@
 
 ``torch.compile(model, backend="fullcg")`` (through the ``torch_dynamo_backends`` entry
 point) or ``torch.compile(model, backend=fullcg.Backend(config))``. For each graph Dynamo
-hands over, the backend builds the variants the graph mode needs:
+hands over, the backend retargets attention nodes to the breakable ops, splits the graph
+at them and compiles every other piece (Inductor, or eager), each distinct piece once. The
+split graph serves both variants the graph mode may run:
 
-- *piecewise*: attention nodes retargeted to the breakable ops, the graph split at them,
-  every other piece compiled (Inductor, or eager);
-- *full*: attention nodes retargeted to the non-breakable ops, the whole graph compiled
-  as one piece;
+- *piecewise*: each piece replays its own CUDA graph, attention runs eagerly between them;
+- *full*: the same pieces and attention run inside one CUDA graph;
 
-and returns a :class:`fullcg.runner.StepRunner` that picks a variant per step.
+and the backend returns a :class:`fullcg.runner.StepRunner` that picks a variant per step.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def _lazy_code() -> Any:
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig) -> StepRunner:
-    """Build the variants of ``gm`` that ``config.graph_mode`` needs and a runner over them.
+    """Compile ``gm`` as pieces and return a runner over the variants ``config.graph_mode`` needs.
 
     fullcg compiles inference steps: pieces are compiled and run without autograd.
     """
@@ -301,13 +301,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
 
 
 def _pass_uuid(config: FullCGConfig) -> str:
-    """The uuid of every pass sequence ``config.graph_mode`` applies."""
-    uuids = []
-    if config.graph_mode.wants_piecewise:
-        uuids.append(PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)]).uuid())
-    if config.graph_mode.wants_full:
-        uuids.append(PassManager([AttributesPass(config.skip_softmax), BreakablePass(False)]).uuid())
-    return ",".join(uuids)
+    """The uuid of the pass sequence every graph goes through."""
+    return PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)]).uuid()
 
 
 def _compile_graph(
@@ -324,51 +319,40 @@ def _compile_graph(
 
     # One memory pool for all CUDA graphs of this compiled graph (pieces, sizes, full graphs).
     pool = torch.cuda.graph_pool_handle() if device.type == "cuda" and config.graph_mode is not GraphMode.NONE else None
-    wants_piecewise = config.graph_mode.wants_piecewise
-    wants_full = config.graph_mode.wants_full
-    piecewise_fn: Callable[..., Any] | None = None
-    full_fn: Callable[..., Any] | None = None
-    split: SplitGraph | None = None
-    full_gm: torch.fx.GraphModule | None = None
-    uuid = ""
-    shared_with: dict[str, str] = {}
 
-    if wants_piecewise:
-        manager = PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
-        uuid = manager.uuid()
-        variant = _variant_graph(gm, manager)
-        dump.graph("after_passes_piecewise.py", variant)
-        with _lazy_code():
-            split = split_graph(variant)
-        from torch._guards import detect_fake_mode
-        from torch._subclasses.fake_tensor import FakeTensorMode
+    # One graph serves both variants: split at breakable attention, its pieces compiled.
+    # The piecewise variant replays each piece's own CUDA graph with attention eager between
+    # them; the full variant runs the same pieces and attention inside one CUDA graph
+    # (captured pieces pass through when the step's variant is full).
+    manager = PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
+    uuid = manager.uuid()
+    variant = _variant_graph(gm, manager)
+    dump.graph("after_passes.py", variant)
+    with _lazy_code():
+        split = split_graph(variant)
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-        compiler = _PieceCompiler(split, config.compiler, dump, "piecewise", fallbacks)
-        compiler.compile_all(detect_fake_mode(example_inputs) or FakeTensorMode(), example_inputs)
-        runnable = split.graph_module
-        for piece in split.pieces:
-            call: Any = compiler.calls[piece.name]
-            if pool is not None:
-                call = BridgedPiece(piece.name, call) if piece.breakable else CapturedPiece(
-                    piece.name, call, device, pool, config.debug_graph_inputs
-                )
-            # A plain attribute, not a child module: the per-step path skips nn.Module.__call__.
-            del runnable._modules[piece.name]
-            runnable.__dict__[piece.name] = call
-        piecewise_fn = runnable
-        shared_with = compiler.shared_with
-        logger.info("fullcg: piecewise graph: %d pieces (%d breakable attention, %d compiled pieces of which %d distinct)",
-                    len(split.pieces), sum(p.breakable for p in split.pieces),
-                    sum(not p.breakable for p in split.pieces), sum(not p.breakable for p in split.pieces) - len(shared_with))
+    compiler = _PieceCompiler(split, config.compiler, dump, "piecewise", fallbacks)
+    compiler.compile_all(detect_fake_mode(example_inputs) or FakeTensorMode(), example_inputs)
+    runnable = split.graph_module
+    for piece in split.pieces:
+        call: Any = compiler.calls[piece.name]
+        if pool is not None and config.graph_mode.wants_piecewise:
+            call = BridgedPiece(piece.name, call) if piece.breakable else CapturedPiece(
+                piece.name, call, device, pool, config.debug_graph_inputs
+            )
+        # A plain attribute, not a child module: the per-step path skips nn.Module.__call__.
+        del runnable._modules[piece.name]
+        runnable.__dict__[piece.name] = call
+    shared_with = compiler.shared_with
+    logger.info("fullcg: %d pieces (%d breakable attention, %d compiled pieces of which %d distinct)",
+                len(split.pieces), sum(p.breakable for p in split.pieces),
+                sum(not p.breakable for p in split.pieces), sum(not p.breakable for p in split.pieces) - len(shared_with))
+    piecewise_fn = runnable if config.graph_mode.wants_piecewise else None
+    full_fn = runnable if config.graph_mode.wants_full else None
 
-    if wants_full:
-        manager = PassManager([AttributesPass(config.skip_softmax), BreakablePass(False)])
-        uuid = uuid or manager.uuid()
-        full_gm = _variant_graph(gm, manager)
-        dump.graph("after_passes_full.py", full_gm)
-        full_fn = _compile_piece("full", full_gm, example_inputs, config.compiler, fallbacks)
-
-    report = split_report(config, str(device), uuid, split, full_gm, shared_with, fallbacks)
+    report = split_report(config, str(device), uuid, split, shared_with, fallbacks)
     dump.write("split_report.txt", report)
     stager, token_outputs = _token_layout(gm, example_inputs, config, device)
     runner = StepRunner(

@@ -309,6 +309,15 @@ def current_padded_size() -> int | None:
     return stack[-1].padded_size if stack else None
 
 
+def current_piece_size() -> int | None:
+    """The capture size each piece of the current step replays its own graph at; None
+    outside a captured piecewise step (a full-graph step captures its pieces whole)."""
+    stack = _state.stack
+    if not stack or stack[-1].variant != "piecewise":
+        return None
+    return stack[-1].padded_size
+
+
 def is_breakable() -> bool:
     """Whether attention in the current step must use the breakable ops (piecewise graphs)."""
     return _state.breakable

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fullcg.context import current_padded_size
+from fullcg.context import current_piece_size
 from fullcg.metadata import AttentionMetadata, ForwardMode
 from fullcg.telemetry import counts_discarded
 
@@ -95,7 +95,7 @@ class CapturedPiece:
         self.graphs: dict[int, Captured] = {}
 
     def __call__(self, *args: Any) -> Any:
-        size = current_padded_size()  # the step's dispatch key, from its forward context
+        size = current_piece_size()  # the step's dispatch key, from its forward context
         if size is None:
             return self.fn(*args)
         entry = self.graphs.get(size)
@@ -121,7 +121,7 @@ class BridgedPiece:
 
     def __call__(self, *args: Any) -> Any:
         out = self.fn(*args)
-        size = current_padded_size()
+        size = current_piece_size()
         if size is None or out is None:
             return out
         bridge = self.bridges.get(size)

@@ -67,8 +67,7 @@ def split_report(
     config: FullCGConfig,
     device: str,
     pass_uuid: str,
-    split: SplitGraph | None,
-    full: torch.fx.GraphModule | None,
+    split: SplitGraph,
     shared_with: dict[str, str] | None = None,
     fallbacks: dict[str, str] | None = None,
 ) -> str:
@@ -80,7 +79,6 @@ def split_report(
     """
     shared_with = shared_with or {}
     fallbacks = fallbacks or {}
-    from fullcg.passes.split import Piece
 
     sizes = config.sizes_to_capture
     lines = [
@@ -95,35 +93,39 @@ def split_report(
         f"pass uuid: {pass_uuid}",
         "",
     ]
-    if split is not None:
-        compiled = sum(not p.breakable for p in split.pieces)
-        lines.append(
-            f"piecewise variant: {len(split.pieces)} pieces ({compiled} compiled, "
-            f"{len(split.pieces) - compiled} split points run eagerly)"
-        )
-        lines.append(
-            f"distinct compiled pieces: {compiled - len(shared_with)} of {compiled} "
-            "(structurally identical pieces share one compilation)"
-        )
-        for piece in split.pieces:
-            if not piece.breakable:
-                kind = f"compiled piece, same compilation as {shared_with[piece.name]}" if piece.name in shared_with \
-                    else "compiled piece"
-                if fallbacks.get(shared_with.get(piece.name, piece.name)):
-                    kind += f" (Inductor failed on it: runs as traced; {fallbacks[shared_with.get(piece.name, piece.name)]})"
-            elif prefix_chunk_nodes(piece.graph_module.graph):
-                kind = "prefix-chunk attention and merge (eager, split point)"
-            elif piece.attention_summary():
-                kind = "breakable attention (eager, split point)"
-            else:
-                kind = "prefix-chunk gather (eager, split point)"
-            ops = sum(1 for n in piece.graph_module.graph.nodes if n.op == "call_function")
-            lines.append(f"  {piece.name}: {kind}, {ops} ops")
-            lines += [f"    {s}" for s in piece.attention_summary()]
-        lines.append("")
-    if full is not None:
-        lines.append("full variant: 1 graph, attention inside" + (" (Inductor failed on it: runs as traced)" if "full" in fallbacks else ""))
-        lines += [f"    {s}" for s in Piece("full", full, False).attention_summary()]
+    mode = config.graph_mode
+    variants = []
+    if mode is GraphMode.NONE:
+        variants.append("piecewise, never captured")
+    elif mode.wants_piecewise:
+        variants.append("piecewise (each piece its own CUDA graph, attention eager between them)")
+    if mode.wants_full:
+        variants.append("full (the same pieces and attention inside one CUDA graph)")
+    lines.append("variants: " + "; ".join(variants))
+    compiled = sum(not p.breakable for p in split.pieces)
+    lines.append(
+        f"pieces: {len(split.pieces)} ({compiled} compiled, "
+        f"{len(split.pieces) - compiled} split points run eagerly)"
+    )
+    lines.append(
+        f"distinct compiled pieces: {compiled - len(shared_with)} of {compiled} "
+        "(structurally identical pieces share one compilation)"
+    )
+    for piece in split.pieces:
+        if not piece.breakable:
+            kind = f"compiled piece, same compilation as {shared_with[piece.name]}" if piece.name in shared_with \
+                else "compiled piece"
+            if fallbacks.get(shared_with.get(piece.name, piece.name)):
+                kind += f" (Inductor failed on it: runs as traced; {fallbacks[shared_with.get(piece.name, piece.name)]})"
+        elif prefix_chunk_nodes(piece.graph_module.graph):
+            kind = "prefix-chunk attention and merge (eager, split point)"
+        elif piece.attention_summary():
+            kind = "breakable attention (eager, split point)"
+        else:
+            kind = "prefix-chunk gather (eager, split point)"
+        ops = sum(1 for n in piece.graph_module.graph.nodes if n.op == "call_function")
+        lines.append(f"  {piece.name}: {kind}, {ops} ops")
+        lines += [f"    {s}" for s in piece.attention_summary()]
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,8 @@
 """The per-step call path of a compiled model: pick a graph variant, pad, replay or run.
 
-A compiled model has up to two variants of its graph: *piecewise* (split at breakable
-attention ops) and *full* (one graph with attention inside). Each step the runner picks
+A compiled model has up to two variants of its graph: *piecewise* (pieces captured one
+by one, attention eager between them) and *full* (the same pieces and attention inside
+one CUDA graph; for the compile backend the same split graph object). Each step the runner picks
 one by the graph mode's policy (:class:`fullcg.config.GraphMode`) and the batch, and on
 CUDA runs it as CUDA graphs when the batch fits a capture size (see
 :mod:`fullcg.cudagraph`). The variant and the padded size are the step's *dispatch key*:

@@ -176,11 +176,13 @@ def test_dump_dir_holds_graphs_pieces_report_and_decompiled_source(tmp_path):
     run_side_by_side(eager, comp, torch.compile(comp, backend=Backend(config)), config)
     graph_dir = next(tmp_path.glob("graph_*"))
     names = {p.relative_to(graph_dir).as_posix() for p in graph_dir.rglob("*.py")} | {"split_report.txt"}
-    for expected in ["before_passes.py", "after_passes_piecewise.py", "after_passes_full.py", "decompiled.py",
+    for expected in ["before_passes.py", "after_passes.py", "decompiled.py",
                      "piecewise/submod_0.py", "piecewise/submod_1.py", "split_report.txt"]:
         assert expected in names, f"{expected} missing from {sorted(names)}"
     report = (graph_dir / "split_report.txt").read_text()
     assert "graph mode: full_and_piecewise" in report and "capture sizes (35)" in report
+    assert "variants: piecewise (each piece its own CUDA graph" in report
+    assert "full (the same pieces and attention inside one CUDA graph)" in report
     assert report.count("breakable attention (eager, split point)") == 2
     decompiled = (graph_dir / "decompiled.py").read_text()
     assert "def " in decompiled and "__compiled_fn" in decompiled
@@ -215,11 +217,10 @@ def test_unused_computations_are_dropped_but_attention_whose_result_is_unused_st
         torch.testing.assert_close(got, reference(ids, pos))
     graph_dir = next(tmp_path.glob("graph_*"))
     assert "torch.diff" in (graph_dir / "before_passes.py").read_text()
-    for variant in ("after_passes_piecewise.py", "after_passes_full.py"):
-        text = (graph_dir / variant).read_text()
-        assert "torch.diff" not in text and "cumsum" not in text, variant
-        # The attention ops' results are unused (they write their outputs in place); they stay.
-        assert text.count("torch.ops.fullcg.") >= 2, variant
+    text = (graph_dir / "after_passes.py").read_text()
+    assert "torch.diff" not in text and "cumsum" not in text
+    # The attention ops' results are unused (they write their outputs in place); they stay.
+    assert text.count("torch.ops.fullcg.") >= 2
 
 
 def test_pieces_compile_from_the_inputs_dynamo_recorded_without_a_second_fake_run(monkeypatch):

@@ -70,7 +70,6 @@ def test_a_piece_inductor_fails_on_runs_as_traced_and_the_split_report_names_it(
         _run_steps_against_eager(model, compiled, reference)
     (runner,) = compiled.backend.runners
     assert "runs as traced; RuntimeError: CantSplit in submod_0" in runner.report
-    assert "full variant: 1 graph, attention inside (Inductor failed on it: runs as traced)" in runner.report
     messages = [r.getMessage() for r in caplog.records]
     assert any("compiling with the compile cache failed" in m for m in messages)
     assert any("Inductor failed on submod_0" in m for m in messages)

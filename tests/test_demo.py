@@ -12,4 +12,4 @@ def test_demo_passes_and_reports_its_steps_and_split(capsys):
     assert main(["demo", "--compiler", "eager", "--chunked-prefix"]) == 0
     out = capsys.readouterr().out
     assert "extend:8, decode:1, decode:1" in out, "the demo must show a chunked-prefill step in a mixed batch"
-    assert "-> OK" in out and "piecewise variant:" in out and "prefix-chunk attention and merge (eager, split point)" in out
+    assert "-> OK" in out and "variants: piecewise" in out and "prefix-chunk attention and merge (eager, split point)" in out

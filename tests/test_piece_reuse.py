@@ -74,12 +74,17 @@ def test_a_piece_whose_input_strides_differ_is_compiled_apart(compile_fx_calls):
     assert "submod_6: compiled piece," in report and "submod_4: compiled piece, same compilation as submod_2" in report
 
 
-def test_the_full_variant_is_one_compilation(compile_fx_calls):
+@pytest.mark.parametrize("mode", ["full", "auto"])
+def test_the_full_variant_runs_the_same_compiled_pieces(compile_fx_calls, mode):
+    # No second compilation of the whole model for full graphs: they run (and capture) the
+    # pieces the piecewise variant runs, with attention between them inside the graph.
     torch._dynamo.reset()
-    config = fullcg.FullCGConfig(graph_mode="full", compiler="inductor")
-    worst, _ = _compare_with_eager(_model(4), config)
+    config = fullcg.FullCGConfig(graph_mode=mode, compiler="inductor")
+    worst, backend = _compare_with_eager(_model(4), config)
     assert worst < 1e-4
-    assert len(compile_fx_calls) == 1
+    assert len(compile_fx_calls) == 3
+    (runner,) = backend.runners
+    assert runner.full is not None and (runner.piecewise is None or runner.piecewise is runner.full)
 
 
 def _two_op_graph() -> torch.fx.GraphModule:
