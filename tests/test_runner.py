@@ -181,3 +181,24 @@ def test_auto_passes_over_an_implementation_that_does_not_take_the_head_dims(mon
     assert impls.resolve_implementation("auto", torch.device("cpu"), 16, 16).name == "reference"
     assert impls.resolve_implementation("auto", torch.device("cpu")).name == "wide_only", "any head dim"
     assert impls.resolve_implementation("wide_only", torch.device("cpu"), 16, 16).name == "wide_only", "asked by name"
+
+
+def test_captured_and_bridged_pieces_pass_through_inside_a_full_graph_step():
+    # The full variant runs the piecewise variant's pieces inside one CUDA graph: there a
+    # piece must neither capture a graph of its own nor copy outputs into per-size bridges.
+    from fullcg.context import derived_context
+
+    calls = []
+    piece = cudagraph.CapturedPiece("submod_0", lambda x: calls.append(x) or (x + 1,), torch.device("cpu"), None, False)
+    bridge = cudagraph.BridgedPiece("submod_1", lambda x: (x * 2,))
+    x = torch.ones(4)
+    md = make_batch([1], [3]).metadata
+    with fullcg.forward_context(md, {}) as user:
+        with derived_context(user, config=fullcg.FullCGConfig(), variant="full", padded_size=8):
+            assert torch.equal(piece(x)[0], x + 1) and len(calls) == 1 and not piece.graphs
+            out = bridge(x)
+            assert torch.equal(out[0], x * 2) and not bridge.bridges
+        with derived_context(user, config=fullcg.FullCGConfig(), variant="piecewise", padded_size=8):
+            bridged = bridge(x)
+            assert set(bridge.bridges) == {8}, "a piecewise step copies a split point's outputs into the size's bridge"
+            assert bridged is bridge.bridges[8]
