@@ -15,3 +15,6 @@ _cache_dir = tempfile.mkdtemp(prefix="fullcg-test-cache-")
 atexit.register(shutil.rmtree, _cache_dir, True)
 os.environ["FULLCG_CACHE_DIR"] = _cache_dir
 os.environ["FULLCG_DISABLE_COMPILE_CACHE"] = "1"
+# Inductor's own caches too: an entry carries the shape guards of the process that wrote it
+# (a stale one can add a guard that today's code no longer produces).
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cache_dir, "inductor")

@@ -135,10 +135,13 @@ def attention_forward(
             f"{where}: transformers passed scaling={scaling}, but prepare() built the layer with {attn.scale}; "
             "call prepare(model, ...) again after changing the model"
         )
-    # [1, H, T, D] -> [T, H, D]; contiguous because kernels index tokens by row.
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
+    # [1, H, T, D] -> [T, H, D]; contiguous because kernels index tokens by row. Made
+    # contiguous before the batch dimension is dropped: torch 2.11's Inductor works out the
+    # strides of a view of a non-contiguous tensor from the token count's hint, guarding
+    # that it is not 1, which gave one-token steps a graph of their own.
+    q = query.transpose(1, 2).contiguous()[0]
+    k = key.transpose(1, 2).contiguous()[0]
+    v = value.transpose(1, 2).contiguous()[0]
     out = attn(q, k, v)
     return out.unsqueeze(0), None
 
