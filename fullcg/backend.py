@@ -119,14 +119,13 @@ class _PieceCompiler(torch.fx.Interpreter):
     without them) the ones a run of the split graph on fake inputs produces."""
 
     def __init__(
-        self, split: SplitGraph, compiler: str, dump: GraphDump, variant: str, fallbacks: PieceFallbacks
+        self, split: SplitGraph, compiler: str, dump: GraphDump, fallbacks: PieceFallbacks
     ) -> None:
         super().__init__(split.graph_module)
         self.split = split
         self.compiler = compiler
         self.fallbacks = fallbacks
         self.dump = dump
-        self.variant = variant
         self.calls: dict[str, PieceCall] = {}
         #: For a compiled piece that reuses another's compilation: the name of that piece.
         self.shared_with: dict[str, str] = {}
@@ -150,7 +149,7 @@ class _PieceCompiler(torch.fx.Interpreter):
 
     def _compile(self, piece: Piece, args: Sequence[Any]) -> None:
         target = piece.name
-        self.dump.graph(f"{self.variant}/{piece.name}.py", piece.graph_module)
+        self.dump.graph(f"piecewise/{piece.name}.py", piece.graph_module)
         if piece.breakable:
             self.calls[target] = PieceCall(target, _eager_split_point(piece.graph_module))
             return
@@ -242,7 +241,7 @@ def _keeps(node: torch.fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def _variant_graph(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.GraphModule:
+def _graph_after_passes(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.GraphModule:
     """A copy of ``gm`` after dead-code removal and ``manager``'s passes, whose Python code is
     generated only if something runs or reads it (see :func:`_lazy_code`)."""
     graph = copy.deepcopy(gm.graph)
@@ -262,8 +261,8 @@ def _lazy_code() -> Any:
     """Graph modules made inside generate their Python code on first use, not when made.
 
     Generating and compiling a 32-layer graph's code takes a few tenths of a second, and
-    splitting it makes a module per piece: the piecewise variant's own code is never run
-    (its pieces are), and pieces that share a compiled artifact are never run either.
+    splitting it makes a module per piece: the graph after the passes is never run (its
+    pieces are), and pieces that share a compiled artifact are never run either.
     """
     return _use_lazy_graph_module(True)
 
@@ -284,7 +283,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     with torch.no_grad():
         if cache is None:
             return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=True))
-        key = cache.key(gm, example_inputs, config, _pass_uuid(config))
+        key = cache.key(gm, example_inputs, config, _passes(config).uuid())
         try:
             with cache.session(key):
                 return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=False))
@@ -300,9 +299,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=True))
 
 
-def _pass_uuid(config: FullCGConfig) -> str:
-    """The uuid of the pass sequence every graph goes through."""
-    return PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)]).uuid()
+def _passes(config: FullCGConfig) -> PassManager:
+    """The passes every graph goes through before it is split."""
+    return PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
 
 
 def _compile_graph(
@@ -324,16 +323,15 @@ def _compile_graph(
     # The piecewise variant replays each piece's own CUDA graph with attention eager between
     # them; the full variant runs the same pieces and attention inside one CUDA graph
     # (captured pieces pass through when the step's variant is full).
-    manager = PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
-    uuid = manager.uuid()
-    variant = _variant_graph(gm, manager)
-    dump.graph("after_passes.py", variant)
+    manager = _passes(config)
+    passed = _graph_after_passes(gm, manager)
+    dump.graph("after_passes.py", passed)
     with _lazy_code():
-        split = split_graph(variant)
+        split = split_graph(passed)
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    compiler = _PieceCompiler(split, config.compiler, dump, "piecewise", fallbacks)
+    compiler = _PieceCompiler(split, config.compiler, dump, fallbacks)
     compiler.compile_all(detect_fake_mode(example_inputs) or FakeTensorMode(), example_inputs)
     runnable = split.graph_module
     for piece in split.pieces:
@@ -346,13 +344,13 @@ def _compile_graph(
         del runnable._modules[piece.name]
         runnable.__dict__[piece.name] = call
     shared_with = compiler.shared_with
+    compiled = sum(not p.breakable for p in split.pieces)
     logger.info("fullcg: %d pieces (%d breakable attention, %d compiled pieces of which %d distinct)",
-                len(split.pieces), sum(p.breakable for p in split.pieces),
-                sum(not p.breakable for p in split.pieces), sum(not p.breakable for p in split.pieces) - len(shared_with))
+                len(split.pieces), len(split.pieces) - compiled, compiled, compiled - len(shared_with))
     piecewise_fn = runnable if config.graph_mode.wants_piecewise else None
     full_fn = runnable if config.graph_mode.wants_full else None
 
-    report = split_report(config, str(device), uuid, split, shared_with, fallbacks)
+    report = split_report(config, str(device), manager.uuid(), split, shared_with, fallbacks)
     dump.write("split_report.txt", report)
     stager, token_outputs = _token_layout(gm, example_inputs, config, device)
     runner = StepRunner(
