@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 
@@ -22,22 +21,17 @@ import fullcg
 from fullcg.ops.kernels import decode as decode_module
 from fullcg.ops.kernels.decode import plan_decode
 
-PAGE = 16
+from decode import PAGE, time_ms
 
 
 def time_us(fn, calls: int = 200, repeats: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    """Median microseconds per call over ``repeats`` bursts of ``calls`` back-to-back calls."""
+
+    def burst() -> None:
         for _ in range(calls):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+
+    return time_ms(burst, repeats) * 1e3 / calls
 
 
 def main() -> None:

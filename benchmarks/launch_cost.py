@@ -17,12 +17,11 @@ stream and device queries. Medians over bursts of 200 launches, synchronised bet
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import triton
 import triton.language as tl
+
+from op_overhead import per_call_us
 
 
 @triton.jit
@@ -31,20 +30,6 @@ def _thirty_arguments(A, B, C, D, E, F, G, H, I, J, a0, a1, a2, a3, a4, a5, a6, 
     if tl.program_id(0) < 0:  # never: every program exits at once
         tl.store(A, a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11 + a12 + a13 + a14 + a15 + a16 + a17
                  + a18 + f0)
-
-
-def per_launch_us(fn, n: int = 200, repeats: int = 30) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - start) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(runs)
 
 
 def main() -> None:
@@ -72,7 +57,7 @@ def main() -> None:
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     for name, fn in figures.items():
-        print(f"{name:16s} {per_launch_us(fn):7.2f} us")
+        print(f"{name:16s} {per_call_us(fn, 200, 30, torch.cuda.synchronize):7.2f} us")
 
 
 if __name__ == "__main__":
