@@ -270,11 +270,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"(warm-up {warm:.1f} s)", flush=True)
 
     # How often greedy outputs agree with HF's (bf16 rounding differs between kernels, so
-    # sequences may diverge after a near-tie; in fp32 --smoke they must agree exactly).
+    # sequences may diverge after a near-tie; in fp32 --smoke they must agree exactly). The
+    # base is HF's default engine, or its compiled static-cache recipe when only that ran.
     agreement = {}
     for (engine, name), out in outputs.items():
-        base = outputs.get(("hf", name))
-        if engine != "hf" and base is not None:
+        base_engine = "hf" if ("hf", name) in outputs else "hf_static_compiled"
+        base = outputs.get((base_engine, name))
+        if engine != base_engine and base is not None:
             same = sum(a == b for o, r in zip(out, base) for a, b in zip(o, r))
             agreement[f"{engine}/{name}"] = same / sum(len(r) for r in base)
     print("greedy tokens equal to hf's:", {k: round(v, 4) for k, v in agreement.items()})

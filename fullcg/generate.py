@@ -503,12 +503,16 @@ def generate(
 def _capture_up_front(run: Callable[..., Any], module: nn.Module, page_size: int, device: torch.device) -> None:
     """Capture every CUDA-graph size now, so no step pays for a capture.
 
-    The stand-in step is one prompt token saved in page 0; that slot is overwritten before
-    any request reads it (a request's keys are always written before they are attended).
+    The stand-in step is a two-token prompt saved in page 0; those slots are overwritten
+    before any request reads them (a request's keys are always written before they are
+    attended). Two tokens, not one: this step is the model's first trace, and torch 2.11's
+    Inductor miscompiles a transformers model traced at one token on CUDA (it sizes a
+    buffer for one token, and every longer step reads past its end).
     """
-    table = torch.zeros(1, 1, dtype=torch.int32)
-    md = fullcg.AttentionMetadata.build([1], [0], table, page_size, device=device)
-    ids = torch.zeros(1, dtype=torch.long, device=device)
-    pos = torch.zeros(1, dtype=torch.long, device=device)
+    tokens = 2
+    table = torch.zeros(1, -(-tokens // page_size), dtype=torch.int32)
+    md = fullcg.AttentionMetadata.build([tokens], [0], table, page_size, device=device)
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    pos = torch.arange(tokens, dtype=torch.long, device=device)
     mark_token_dim(ids, pos)
     fullcg.capture(run, md, module, ids, pos)
