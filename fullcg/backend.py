@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.torch_version import TorchVersion
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 from fullcg import compile_cache
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
-from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
+from fullcg.errors import CompilerBugError, ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.eager_capture import EagerCaptureModel
@@ -279,6 +280,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             "fullcg: the model was compiled with autograd enabled; fullcg compiles inference steps and runs "
             "them without recording gradients (wrap steps in torch.inference_mode() to silence this)"
         )
+    _check_first_trace(gm, example_inputs, config, _device_of(example_inputs))
     cache = compile_cache.cache_for(config)
     with torch.no_grad():
         if cache is None:
@@ -302,6 +304,42 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
 def _passes(config: FullCGConfig) -> PassManager:
     """The passes every graph goes through before it is split."""
     return PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
+
+
+def traced_at_one_token_from_transformers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether ``gm`` is a transformers model's graph whose (symbolic) token count was 1
+    when Dynamo traced it.
+
+    torch 2.11's Inductor miscompiles such a graph on CUDA: it sizes the first RMSNorm's
+    output for one token, and every longer step reads past that buffer's end (an illegal
+    memory access, or wrong logits). Traced at two tokens or more the same model compiles
+    correctly.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    one_token = any(
+        isinstance(fake := node.meta.get("example_value"), torch.Tensor) and fake.dim() >= 1
+        and isinstance(fake.shape[0], torch.SymInt) and isinstance(real, torch.Tensor) and real.shape[0] == 1
+        for node, real in zip(placeholders, example_inputs)
+    )
+    if not one_token:
+        return False
+    for node in gm.graph.nodes:
+        for _, owner in (node.meta.get("nn_module_stack") or {}).values():
+            name = owner if isinstance(owner, str) else f"{getattr(owner, '__module__', '')}.{getattr(owner, '__qualname__', '')}"
+            if name.startswith("transformers."):
+                return True
+    return False
+
+
+def _check_first_trace(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig,
+                       device: torch.device) -> None:
+    if (device.type == "cuda" and config.compiler == "inductor" and TorchVersion(torch.__version__) < (2, 13)
+            and traced_at_one_token_from_transformers(gm, example_inputs)):
+        raise CompilerBugError(
+            f"fullcg: this transformers model was first traced at one token, which torch {torch.__version__}'s "
+            "Inductor miscompiles on CUDA (it reads past a buffer sized for one token); make the first compiled "
+            "step two tokens or more (fullcg.generate does), or use compiler='eager' or 'none', or torch >= 2.13"
+        )
 
 
 def _compile_graph(

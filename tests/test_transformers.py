@@ -290,3 +290,57 @@ def test_fullcg_compile_serves_one_token_and_long_steps_in_either_order(first_to
                 start += q
     # One graph for every token count, one-token steps included.
     assert len(compiled.backend.runners) == 1
+
+
+def _traced_graph(module, tokens: int):
+    """The FX graph Dynamo hands a backend for ``module`` first traced at ``tokens`` tokens."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    table = torch.arange(16, dtype=torch.int32)[None]
+    md = fullcg.AttentionMetadata.build([tokens], [0], table, 4)
+    ids, pos = torch.randint(3, 100, (tokens,)), torch.arange(tokens)
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    with torch.no_grad(), fullcg.forward_context(md, module):
+        torch.compile(module, backend=backend, dynamic=False)(ids, pos)
+    torch._dynamo.reset()
+    return seen[0]
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_a_transformers_graph_first_traced_at_one_token_is_recognised(tokens):
+    # torch 2.11's Inductor miscompiles such a graph on CUDA (a buffer sized for one token);
+    # two tokens compile correctly, and fullcg's own models are not affected.
+    from fullcg.backend import traced_at_one_token_from_transformers
+    from fullcg.models.llama import LlamaConfig, LlamaModel
+
+    _, _, step = build_pair("llama")
+    assert traced_at_one_token_from_transformers(*_traced_graph(step, tokens)) == (tokens == 1)
+    ours = LlamaModel(LlamaConfig.tiny())
+    ours.allocate_kv_cache(16, 4)
+    assert not traced_at_one_token_from_transformers(*_traced_graph(ours, tokens))
+
+
+def test_compiling_a_transformers_graph_traced_at_one_token_on_cuda_names_the_fix_where_torch_miscompiles_it():
+    from torch.torch_version import TorchVersion
+
+    from fullcg.backend import _check_first_trace
+    from fullcg.errors import CompilerBugError
+
+    _, _, step = build_pair("llama")
+    gm, inputs = _traced_graph(step, 1)
+    config = fullcg.FullCGConfig(compiler="inductor")
+    if TorchVersion(torch.__version__) < (2, 13):
+        with pytest.raises(CompilerBugError, match="two tokens or more"):
+            _check_first_trace(gm, inputs, config, torch.device("cuda"))
+    else:
+        _check_first_trace(gm, inputs, config, torch.device("cuda"))
+    # Nothing to refuse off CUDA, under another compiler, or for a two-token trace.
+    _check_first_trace(gm, inputs, config, torch.device("cpu"))
+    _check_first_trace(gm, inputs, config.replace(compiler="eager"), torch.device("cuda"))
+    _check_first_trace(*_traced_graph(step, 2), config, torch.device("cuda"))
