@@ -58,13 +58,17 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 class PieceFallbacks(dict):
     """Pieces Inductor failed on, by name, with the error; they run as traced instead.
 
-    ``enabled`` is off inside a compile-cache session: there a failure is first blamed on
-    the cache, and the uncached retry is the one that falls back.
+    ``in_cache_session``: the pieces are compiled inside a compile-cache session, where a
+    loaded artifact may be what broke a piece. A piece that fails there is compiled once
+    more with the caches off: if that works, the cache was to blame (``cache_blamed``, and
+    the entry is discarded); if it fails too, the compiler was, and the piece falls back.
+    Only the failing piece is compiled twice, never the whole graph.
     """
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, in_cache_session: bool = False) -> None:
         super().__init__()
-        self.enabled = enabled
+        self.in_cache_session = in_cache_session
+        self.cache_blamed = False
 
 
 def _compile_piece(
@@ -77,14 +81,26 @@ def _compile_piece(
     except FullCGError:
         raise  # fullcg refused something while Inductor traced: the user's error, not Inductor's
     except Exception as exc:
-        if not fallbacks.enabled:
+        error = exc
+    if fallbacks.in_cache_session:
+        try:
+            with compile_cache.uncached_compile():
+                call = _inductor_piece(name, gm, example_inputs)
+        except FullCGError:
             raise
-        # A compiler bug in one piece (torch 2.11's Inductor cannot tile some reductions
-        # over size-oblivious token counts) must not stop the model: that piece runs as
-        # traced, still inside CUDA graphs, and the split report names it.
-        fallbacks[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        logger.warning("fullcg: Inductor failed on %s (%s); it runs as traced, without Inductor", name, fallbacks[name])
-        return PieceCall(name, gm)
+        except Exception as exc:
+            error = exc
+        else:
+            fallbacks.cache_blamed = True
+            logger.warning("fullcg: %s compiled only with the caches off (%s: %s); the cache entry is discarded",
+                           name, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            return call
+    # A compiler bug in one piece (torch 2.11's Inductor cannot tile some reductions over
+    # size-oblivious token counts) must not stop the model: that piece runs as traced,
+    # still inside CUDA graphs, and the split report names it.
+    fallbacks[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    logger.warning("fullcg: Inductor failed on %s (%s); it runs as traced, without Inductor", name, fallbacks[name])
+    return PieceCall(name, gm)
 
 
 def _inductor_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PieceCall:
@@ -284,21 +300,27 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     cache = compile_cache.cache_for(config)
     with torch.no_grad():
         if cache is None:
-            return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=True))
+            return _compile_graph(gm, example_inputs, config, PieceFallbacks())
         key = cache.key(gm, example_inputs, config, _passes(config).uuid())
+        fallbacks = PieceFallbacks(in_cache_session=True)
         try:
             with cache.session(key):
-                return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=False))
+                runner = _compile_graph(gm, example_inputs, config, fallbacks)
         except FullCGError:
             raise  # fullcg refused the graph or its config: no cache is involved
         except Exception as exc:
-            # Something in the caches could not be used (or the graph cannot be compiled at
-            # all): compile once more without any cache; a genuine error raises from there.
+            # Something in the caches could not be used outside any piece's compile (or the
+            # graph cannot be compiled at all): compile once more without any cache; a
+            # genuine error raises from there.
             cache.discard(key)
             logger.warning("fullcg: compiling with the compile cache failed (%s: %s); compiling once more without it",
                            type(exc).__name__, exc)
+        else:
+            if fallbacks.cache_blamed:
+                cache.discard(key)  # the next process compiles and stores it afresh
+            return runner
         with compile_cache.uncached_compile():
-            return _compile_graph(gm, example_inputs, config, PieceFallbacks(enabled=True))
+            return _compile_graph(gm, example_inputs, config, PieceFallbacks())
 
 
 def _passes(config: FullCGConfig) -> PassManager:

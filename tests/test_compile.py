@@ -55,10 +55,14 @@ def test_options_reach_the_backend_config():
 def test_a_piece_inductor_fails_on_runs_as_traced_and_the_split_report_names_it(monkeypatch, tmp_path, caplog):
     # Inductor can fail on a piece (torch 2.11 cannot tile some reductions over size-oblivious
     # token counts); the model must still run, each such piece as traced, and say so. With the
-    # compile cache on, the failure is first blamed on the cache, then the uncached retry falls back.
+    # compile cache on, only the failing piece is tried once more with the caches off: the
+    # graph is not compiled a second time.
     import fullcg.backend
 
+    attempts = []
+
     def broken_inductor(name, gm, example_inputs):
+        attempts.append(name)
         raise RuntimeError(f"CantSplit in {name}\ndetails")
 
     monkeypatch.setattr(fullcg.backend, "_inductor_piece", broken_inductor)
@@ -71,19 +75,54 @@ def test_a_piece_inductor_fails_on_runs_as_traced_and_the_split_report_names_it(
     (runner,) = compiled.backend.runners
     assert "runs as traced; RuntimeError: CantSplit in submod_0" in runner.report
     messages = [r.getMessage() for r in caplog.records]
-    assert any("compiling with the compile cache failed" in m for m in messages)
+    assert not any("compiling with the compile cache failed" in m for m in messages)
     assert any("Inductor failed on submod_0" in m for m in messages)
+    assert attempts.count("submod_0") == 2, "once in the cache session, once with the caches off"
 
 
-def test_an_inductor_failure_inside_a_cache_session_propagates_to_the_uncached_retry(monkeypatch):
+def test_a_piece_that_compiles_only_with_the_caches_off_blames_the_cache_and_discards_its_entry(monkeypatch, tmp_path,
+                                                                                                 caplog):
+    import torch._inductor.config as inductor_config
+
+    import fullcg.backend
+    from fullcg import compile_cache
+
+    real = fullcg.backend._inductor_piece
+
+    def broken_while_cached(name, gm, example_inputs):
+        if inductor_config.fx_graph_cache:
+            raise RuntimeError("a corrupt cache artifact")
+        return real(name, gm, example_inputs)
+
+    monkeypatch.setattr(fullcg.backend, "_inductor_piece", broken_while_cached)
+    monkeypatch.delenv("FULLCG_DISABLE_COMPILE_CACHE")
+    discarded = []
+    monkeypatch.setattr(compile_cache.CompileCache, "discard", lambda self, key: discarded.append(key))
+    torch._dynamo.reset()
+    model, reference = _models()
+    compiled = fullcg.compile(model, compiler="inductor", graph_mode="piecewise", cache_dir=str(tmp_path))
+    with caplog.at_level("WARNING", logger="fullcg"):
+        _run_steps_against_eager(model, compiled, reference)
+    (runner,) = compiled.backend.runners
+    assert "runs as traced" not in runner.report, "every piece compiled, with the caches off"
+    assert len(discarded) == 1
+    assert any("compiled only with the caches off" in r.getMessage() for r in caplog.records)
+
+
+def test_outside_a_cache_session_a_failing_piece_falls_back_at_once(monkeypatch):
     import fullcg.backend
 
-    monkeypatch.setattr(fullcg.backend, "_inductor_piece", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
-    fallbacks = fullcg.backend.PieceFallbacks(enabled=False)
+    attempts = []
+
+    def boom(*args):
+        attempts.append(1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(fullcg.backend, "_inductor_piece", boom)
+    fallbacks = fullcg.backend.PieceFallbacks()
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    with pytest.raises(RuntimeError, match="^boom$"):  # fallbacks off (inside a cache session): it propagates
-        fullcg.backend._compile_piece("p", gm, [torch.ones(1, 2)], "inductor", fallbacks)
-    assert dict(fallbacks) == {}
+    fullcg.backend._compile_piece("p", gm, [torch.ones(1, 2)], "inductor", fallbacks)
+    assert dict(fallbacks) == {"p": "RuntimeError: boom"} and len(attempts) == 1
 
 
 def test_fullcg_errors_raised_while_inductor_traces_are_not_taken_for_compiler_failures(monkeypatch):
@@ -94,7 +133,7 @@ def test_fullcg_errors_raised_while_inductor_traces_are_not_taken_for_compiler_f
         raise InvalidConfigError("skip-softmax factor out of range")
 
     monkeypatch.setattr(fullcg.backend, "_inductor_piece", refusing)
-    fallbacks = fullcg.backend.PieceFallbacks(enabled=True)
+    fallbacks = fullcg.backend.PieceFallbacks(in_cache_session=True)
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(InvalidConfigError):  # the user's error, not a traced piece
         fullcg.backend._compile_piece("p", gm, [torch.ones(1, 2)], "inductor", fallbacks)
