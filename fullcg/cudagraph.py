@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,11 +77,38 @@ def capture_graph(
     if before_capture is not None:
         before_capture()
     graph = torch.cuda.CUDAGraph()
-    # Thread-local: another thread's CUDA calls (a second model stepped beside this one)
-    # must not invalidate this capture.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        output = fn(*args)
+    # What torch.cuda.graph() does, less emptying the allocator's cache at every capture:
+    # capturing all sizes makes hundreds of captures (pieces x sizes), and emptying would
+    # free and re-allocate the warm-up's memory before each one.
+    with torch.cuda.device(device), torch.cuda.stream(_capture_stream(device)):
+        # Thread-local: another thread's CUDA calls (a second model stepped beside this
+        # one) must not invalidate this capture.
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            output = fn(*args)
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:  # the capture was invalidated by the error being raised
+                pass
+            raise
+        graph.capture_end()
     return Captured(graph, output, tensor_ptrs(args))
+
+
+_capture_streams = threading.local()
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's side stream for captures on ``device`` (CUDA graphs cannot be captured
+    on the default stream; two threads capturing at once must not share one)."""
+    streams = getattr(_capture_streams, "by_device", None)
+    if streams is None:
+        streams = _capture_streams.by_device = {}
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 class CapturedPiece:
