@@ -272,15 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     # How often greedy outputs agree with HF's (bf16 rounding differs between kernels, so
     # sequences may diverge after a near-tie; in fp32 --smoke they must agree exactly). The
     # base is HF's default engine, or its compiled static-cache recipe when only that ran.
-    agreement = {}
+    agreement, bases = {}, {}
     for (engine, name), out in outputs.items():
         base_engine = "hf" if ("hf", name) in outputs else "hf_static_compiled"
         base = outputs.get((base_engine, name))
         if engine != base_engine and base is not None:
             same = sum(a == b for o, r in zip(out, base) for a, b in zip(o, r))
             agreement[f"{engine}/{name}"] = same / sum(len(r) for r in base)
-    print("greedy tokens equal to hf's:", {k: round(v, 4) for k, v in agreement.items()})
+            bases[f"{engine}/{name}"] = base_engine
+    print("greedy tokens equal to HF's:", {f"{k} (vs {bases[k]})": round(v, 4) for k, v in agreement.items()})
     record["greedy_agreement_with_hf"] = agreement
+    record["greedy_agreement_base"] = bases
     write()
     if args.smoke and any(abs(v - 1.0) > 0 for k, v in agreement.items() if k.startswith("fullcg/")):
         print("error: in fp32 fullcg must agree with HF token for token", file=sys.stderr)

@@ -24,6 +24,8 @@ LABELS = {
 
 def main(src: str, dst: str) -> None:
     data = json.load(open(src))
+    if "results" not in data:
+        raise SystemExit(f"{src} is not the output of one generate.py run (no 'results'); plot a side-by-side run")
     rows = data["results"]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = plt.subplots(2, len(workloads), figsize=(5.5 * len(workloads), 7), squeeze=False)
@@ -53,4 +55,6 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: python benchmarks/plot_generate.py GENERATE_JSON OUT_PNG")
     main(*sys.argv[1:3])

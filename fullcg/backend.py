@@ -17,12 +17,12 @@ from __future__ import annotations
 import copy
 import logging
 import operator
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
-from torch.torch_version import TorchVersion
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
@@ -89,6 +89,9 @@ def _compile_piece(
         except FullCGError:
             raise
         except Exception as exc:
+            if str(exc).splitlines()[:1] != str(error).splitlines()[:1]:
+                logger.warning("fullcg: %s failed with the caches on (%s: %s), and again with them off",
+                               name, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
             error = exc
         else:
             fallbacks.cache_blamed = True
@@ -353,14 +356,21 @@ def traced_at_one_token_from_transformers(gm: torch.fx.GraphModule, example_inpu
     return False
 
 
+def _torch_release() -> tuple[int, int]:
+    """torch's (major, minor), pre-releases and local builds included (2.13.0a0+git... is 2.13)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
+
+
 def _check_first_trace(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig,
                        device: torch.device) -> None:
-    if (device.type == "cuda" and config.compiler == "inductor" and TorchVersion(torch.__version__) < (2, 13)
+    if (device.type == "cuda" and config.compiler == "inductor" and _torch_release() < (2, 13)
             and traced_at_one_token_from_transformers(gm, example_inputs)):
         raise CompilerBugError(
-            f"fullcg: this transformers model was first traced at one token, which torch {torch.__version__}'s "
-            "Inductor miscompiles on CUDA (it reads past a buffer sized for one token); make the first compiled "
-            "step two tokens or more (fullcg.generate does), or use compiler='eager' or 'none', or torch >= 2.13"
+            f"fullcg: this transformers graph was traced at one token, which torch {torch.__version__}'s Inductor "
+            "miscompiles on CUDA (it reads past a buffer sized for one token); make the steps Dynamo traces (the "
+            "first step, and any that recompiles) two tokens or more (fullcg.generate does), or use "
+            "compiler='eager' or 'none', or torch >= 2.13"
         )
 
 

@@ -77,6 +77,22 @@ def capture_graph(
     if before_capture is not None:
         before_capture()
     graph = torch.cuda.CUDAGraph()
+    try:
+        output = _capture_into(graph, fn, args, device, pool)
+    except torch.OutOfMemoryError:
+        # A capture cannot draw on memory the allocator keeps cached for ordinary use (the
+        # warm-up's, say): release it and try once more. The failed graph is kept until the
+        # retry is captured: it may be what keeps the pool alive.
+        failed = graph
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        output = _capture_into(graph, fn, args, device, pool)
+        del failed
+    return Captured(graph, output, tensor_ptrs(args))
+
+
+def _capture_into(graph: torch.cuda.CUDAGraph, fn: Callable[..., Any], args: Sequence[Any], device: torch.device,
+                  pool: Any) -> Any:
     # What torch.cuda.graph() does, less emptying the allocator's cache at every capture:
     # capturing all sizes makes hundreds of captures (pieces x sizes), and emptying would
     # free and re-allocate the warm-up's memory before each one.
@@ -93,7 +109,7 @@ def capture_graph(
                 pass
             raise
         graph.capture_end()
-    return Captured(graph, output, tensor_ptrs(args))
+    return output
 
 
 _capture_streams = threading.local()
@@ -102,12 +118,13 @@ _capture_streams = threading.local()
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's side stream for captures on ``device`` (CUDA graphs cannot be captured
     on the default stream; two threads capturing at once must not share one)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
     streams = getattr(_capture_streams, "by_device", None)
     if streams is None:
         streams = _capture_streams.by_device = {}
-    stream = streams.get(device)
+    stream = streams.get(index)
     if stream is None:
-        stream = streams[device] = torch.cuda.Stream(device)
+        stream = streams[index] = torch.cuda.Stream(index)
     return stream
 
 

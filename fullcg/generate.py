@@ -483,8 +483,8 @@ def generate(
     bar = _Progress(len(sched.requests), progress)
     generated = 0
     with torch.inference_mode():
-        if new and cache.k.device.type == "cuda" and config.graph_mode != "none":
-            _capture_up_front(run, module, cache.page_size, cache.k.device)
+        if new and cache.k.device.type == "cuda":
+            _first_step(run, module, cache, config)
         while (step := sched.next_step()) is not None:
             with fullcg.forward_context(step.metadata, module, config=config):
                 logits = run(step.input_ids, step.positions)
@@ -500,19 +500,25 @@ def generate(
     return [req.generated for req in sched.requests]
 
 
-def _capture_up_front(run: Callable[..., Any], module: nn.Module, page_size: int, device: torch.device) -> None:
-    """Capture every CUDA-graph size now, so no step pays for a capture.
+def _first_step(run: Callable[..., Any], module: nn.Module, cache: Any, config: fullcg.FullCGConfig) -> None:
+    """Trace the model on a stand-in step and, unless the graph mode is ``none``, capture
+    every CUDA-graph size now, so no step pays for a capture.
 
-    The stand-in step is a two-token prompt saved in page 0; those slots are overwritten
-    before any request reads them (a request's keys are always written before they are
-    attended). Two tokens, not one: this step is the model's first trace, and torch 2.11's
-    Inductor miscompiles a transformers model traced at one token on CUDA (it sizes a
-    buffer for one token, and every longer step reads past its end).
+    The stand-in is a two-token prompt in the cache's first pages; those slots are
+    overwritten before any request reads them (a request's keys are always written before
+    they are attended). Two tokens, not one: this step is the model's first trace, and
+    torch 2.11's Inductor miscompiles a transformers model traced at one token on CUDA (it
+    sizes a buffer for one token, and every longer step reads past its end).
     """
-    tokens = 2
-    table = torch.zeros(1, -(-tokens // page_size), dtype=torch.int32)
-    md = fullcg.AttentionMetadata.build([tokens], [0], table, page_size, device=device)
+    device = cache.k.device
+    tokens = min(2, cache.page_size * cache.num_pages)
+    table = torch.arange(-(-tokens // cache.page_size), dtype=torch.int32)[None]
+    md = fullcg.AttentionMetadata.build([tokens], [0], table, cache.page_size, device=device)
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     pos = torch.arange(tokens, dtype=torch.long, device=device)
     mark_token_dim(ids, pos)
-    fullcg.capture(run, md, module, ids, pos)
+    if config.graph_mode != "none":
+        fullcg.capture(run, md, module, ids, pos)
+    else:
+        with fullcg.forward_context(md, module, config=config):
+            run(ids, pos)

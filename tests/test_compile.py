@@ -95,6 +95,7 @@ def test_a_piece_that_compiles_only_with_the_caches_off_blames_the_cache_and_dis
         return real(name, gm, example_inputs)
 
     monkeypatch.setattr(fullcg.backend, "_inductor_piece", broken_while_cached)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)  # on, as in a default install
     monkeypatch.delenv("FULLCG_DISABLE_COMPILE_CACHE")
     discarded = []
     monkeypatch.setattr(compile_cache.CompileCache, "discard", lambda self, key: discarded.append(key))
