@@ -179,3 +179,25 @@ def test_generate_compiles_once_per_model_and_config():
 def test_generate_without_a_kv_cache_names_the_fix():
     with pytest.raises(RuntimeError, match="allocate_kv_cache"):
         fullcg.generate(LlamaModel(LlamaConfig.tiny()), [[1, 2]], 2, progress=False)
+
+
+@pytest.mark.parametrize("page_size, num_pages", [(1, 8), (4, 8), (16, 1), (1, 1)])
+@pytest.mark.parametrize("graph_mode", ["none", "auto"])
+def test_the_first_traced_step_is_a_valid_two_token_prefill_for_any_cache(page_size, num_pages, graph_mode):
+    # generate's first compiled step on a GPU is this stand-in: two tokens, because torch 2.11's
+    # Inductor miscompiles a transformers model traced at one token on CUDA (one where the
+    # cache holds only one token).
+    from fullcg.generate import _first_step
+
+    model = _llama(num_pages=num_pages, page_size=page_size)
+    seen = []
+
+    def run(ids, pos):
+        md = fullcg.context.get_forward_context().metadata
+        seen.append((ids.tolist(), pos.tolist(), md.query_lens, md.is_decode_only))
+        return model(ids, pos)
+
+    with torch.inference_mode():
+        _first_step(run, model, model.attention_layers()[0].kv_cache, fullcg.FullCGConfig(graph_mode=graph_mode))
+    tokens = min(2, page_size * num_pages)
+    assert seen and seen[0] == ([0] * tokens, list(range(tokens)), (tokens,), False)
