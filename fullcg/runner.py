@@ -293,5 +293,10 @@ def capture(compiled: Callable[..., Any], metadata: Any, kv_caches: Any, *inputs
     from fullcg.context import forward_context
 
     request_capture()
-    with forward_context(metadata, kv_caches), torch.no_grad():
-        return compiled(*inputs)
+    try:
+        with forward_context(metadata, kv_caches), torch.no_grad():
+            return compiled(*inputs)
+    finally:
+        # A call that reached no capturing runner (on the CPU, or not a compiled fullcg
+        # model) must not leave the request to the next model this thread steps.
+        _take_capture_request()

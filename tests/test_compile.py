@@ -95,14 +95,15 @@ def test_a_piece_that_compiles_only_with_the_caches_off_blames_the_cache_and_dis
         return real(name, gm, example_inputs)
 
     monkeypatch.setattr(fullcg.backend, "_inductor_piece", broken_while_cached)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)  # on, as in a default install
     monkeypatch.delenv("FULLCG_DISABLE_COMPILE_CACHE")
     discarded = []
     monkeypatch.setattr(compile_cache.CompileCache, "discard", lambda self, key: discarded.append(key))
     torch._dynamo.reset()
     model, reference = _models()
     compiled = fullcg.compile(model, compiler="inductor", graph_mode="piecewise", cache_dir=str(tmp_path))
-    with caplog.at_level("WARNING", logger="fullcg"):
+    # Inductor's FX graph cache on, as in a default install (config.patch: monkeypatch would
+    # delete the option on undo).
+    with caplog.at_level("WARNING", logger="fullcg"), inductor_config.patch(fx_graph_cache=True):
         _run_steps_against_eager(model, compiled, reference)
     (runner,) = compiled.backend.runners
     assert "runs as traced" not in runner.report, "every piece compiled, with the caches off"

@@ -200,3 +200,18 @@ def test_captured_and_bridged_pieces_pass_through_inside_a_full_graph_step():
             bridged = bridge(x)
             assert set(bridge.bridges) == {8}, "a piecewise step copies a split point's outputs into the size's bridge"
             assert bridged is bridge.bridges[8]
+
+
+def test_a_capture_request_no_runner_took_does_not_outlive_the_capture_call():
+    # fullcg.capture on something that is not a capturing runner (any model on the CPU, a
+    # plain function) must not leave its request to the next model the thread steps: that
+    # model would capture every size at its first step.
+    from fullcg.models.llama import LlamaConfig, LlamaModel
+    from fullcg.runner import _take_capture_request
+
+    model = LlamaModel(LlamaConfig.tiny())
+    model.allocate_kv_cache(8, 4)
+    md = fullcg.AttentionMetadata.build([2], [0], torch.zeros(1, 1, dtype=torch.int32), 4)
+    with torch.inference_mode():
+        fullcg.capture(model, md, model, torch.tensor([3, 4]), torch.arange(2))
+    assert not _take_capture_request()
