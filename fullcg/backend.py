@@ -89,21 +89,26 @@ def _compile_piece(
         except FullCGError:
             raise
         except Exception as exc:
-            if str(exc).splitlines()[:1] != str(error).splitlines()[:1]:
-                logger.warning("fullcg: %s failed with the caches on (%s: %s), and again with them off",
-                               name, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            if _describe(exc) != _describe(error):
+                logger.warning("fullcg: %s failed with the caches on (%s), and again with them off", name, _describe(error))
             error = exc
         else:
             fallbacks.cache_blamed = True
-            logger.warning("fullcg: %s compiled only with the caches off (%s: %s); the cache entry is discarded",
-                           name, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            logger.warning("fullcg: %s compiled only with the caches off (%s); the cache entry is discarded",
+                           name, _describe(error))
             return call
     # A compiler bug in one piece (torch 2.11's Inductor cannot tile some reductions over
     # size-oblivious token counts) must not stop the model: that piece runs as traced,
     # still inside CUDA graphs, and the split report names it.
-    fallbacks[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    fallbacks[name] = _describe(error)
     logger.warning("fullcg: Inductor failed on %s (%s); it runs as traced, without Inductor", name, fallbacks[name])
     return PieceCall(name, gm)
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line of the message``, as logs and the split report show an error."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _inductor_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PieceCall:

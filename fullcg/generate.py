@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import fullcg
+from fullcg.config import GraphMode
 
 __all__ = ["Request", "Step", "BatchScheduler", "Sampler", "generate"]
 
@@ -517,7 +518,7 @@ def _first_step(run: Callable[..., Any], module: nn.Module, cache: Any, config: 
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     pos = torch.arange(tokens, dtype=torch.long, device=device)
     mark_token_dim(ids, pos)
-    if config.graph_mode != "none":
+    if config.graph_mode is not GraphMode.NONE:
         fullcg.capture(run, md, module, ids, pos)
     else:
         with fullcg.forward_context(md, module, config=config):
