@@ -17,11 +17,11 @@ from __future__ import annotations
 import copy
 import logging
 import operator
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import sympy
 import torch.fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
@@ -29,7 +29,7 @@ import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 from fullcg import compile_cache
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
-from fullcg.errors import CompilerBugError, ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
+from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.eager_capture import EagerCaptureModel
@@ -237,7 +237,44 @@ def _token_layout(
         and isinstance(v.shape[0], torch.SymInt)
         for o in outs
     )
-    return InputStager(token_args, size_args, buffers), token_outputs
+    tokens = placeholders[token_args[0]].meta["example_value"].shape[0]
+    sizes = token_counts_served(tokens, config.sizes_to_capture)
+    if sizes != config.sizes_to_capture:
+        logger.info("fullcg: Dynamo's guards admit this graph at capture sizes %s only (of %s); it is captured at "
+                    "those", list(sizes), list(config.sizes_to_capture))
+    return InputStager(token_args, size_args, buffers, sizes), token_outputs
+
+
+def token_counts_served(tokens: torch.SymInt | int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """The token counts among ``sizes`` at which a graph whose token dimension was traced
+    as ``tokens`` may run: those that satisfy every guard on that dimension alone.
+
+    Dynamo routes each step to a graph whose guards hold for it, but the runner pads a
+    step to a capture size, and captures every size up front, behind Dynamo's back. The
+    guards tracing and Inductor add narrow what a graph serves: traced at two tokens and
+    told ``tokens != 1`` (a stride that only matters for one token), it serves 2 and up;
+    the graph Dynamo then compiles for a one-token step is guarded to exactly 1 token,
+    and its buffers may be sized for one. Padding past its guards would run it on a shape
+    it was not compiled for. Read once the graph is compiled, so Inductor's guards count.
+    """
+    if not isinstance(tokens, torch.SymInt):
+        return tuple(s for s in sizes if s == int(tokens))
+    env = tokens.node.shape_env
+    symbol = env.replacements.get(tokens.node.expr, tokens.node.expr)
+    if symbol.is_number:
+        return tuple(s for s in sizes if s == int(symbol))
+    # Guard expressions as recorded (simplifying them against the environment would use
+    # the guards themselves as axioms and turn every one of them true).
+    conditions = [g.expr.xreplace(env.replacements) for g in env.guards]
+    conditions = [c for c in conditions if c.free_symbols == {symbol}]
+    bounds = env.var_to_range.get(symbol)
+
+    def admits(size: int) -> bool:
+        if bounds is not None and not (bool(bounds.lower <= size) and bool(size <= bounds.upper)):
+            return False
+        return all(c.xreplace({symbol: sympy.Integer(size)}) != sympy.false for c in conditions)
+
+    return tuple(s for s in sizes if admits(s))
 
 
 #: Python's in-place operators (``x += y`` traces to ``operator.iadd``) and item assignment.
@@ -304,7 +341,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             "fullcg: the model was compiled with autograd enabled; fullcg compiles inference steps and runs "
             "them without recording gradients (wrap steps in torch.inference_mode() to silence this)"
         )
-    _check_first_trace(gm, example_inputs, config, _device_of(example_inputs))
     cache = compile_cache.cache_for(config)
     with torch.no_grad():
         if cache is None:
@@ -334,49 +370,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
 def _passes(config: FullCGConfig) -> PassManager:
     """The passes every graph goes through before it is split."""
     return PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
-
-
-def traced_at_one_token_from_transformers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
-    """Whether ``gm`` is a transformers model's graph whose (symbolic) token count was 1
-    when Dynamo traced it.
-
-    torch 2.11's Inductor miscompiles such a graph on CUDA: it sizes the first RMSNorm's
-    output for one token, and every longer step reads past that buffer's end (an illegal
-    memory access, or wrong logits). Traced at two tokens or more the same model compiles
-    correctly.
-    """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    one_token = any(
-        isinstance(fake := node.meta.get("example_value"), torch.Tensor) and fake.dim() >= 1
-        and isinstance(fake.shape[0], torch.SymInt) and isinstance(real, torch.Tensor) and real.shape[0] == 1
-        for node, real in zip(placeholders, example_inputs)
-    )
-    if not one_token:
-        return False
-    for node in gm.graph.nodes:
-        for _, owner in (node.meta.get("nn_module_stack") or {}).values():
-            name = owner if isinstance(owner, str) else f"{getattr(owner, '__module__', '')}.{getattr(owner, '__qualname__', '')}"
-            if name.startswith("transformers."):
-                return True
-    return False
-
-
-def _torch_release() -> tuple[int, int]:
-    """torch's (major, minor), pre-releases and local builds included (2.13.0a0+git... is 2.13)."""
-    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
-    return int(major), int(minor)
-
-
-def _check_first_trace(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig,
-                       device: torch.device) -> None:
-    if (device.type == "cuda" and config.compiler == "inductor" and _torch_release() < (2, 13)
-            and traced_at_one_token_from_transformers(gm, example_inputs)):
-        raise CompilerBugError(
-            f"fullcg: this transformers graph was traced at one token, which torch {torch.__version__}'s Inductor "
-            "miscompiles on CUDA (it reads past a buffer sized for one token); make the steps Dynamo traces (the "
-            "first step, and any that recompiles) two tokens or more (fullcg.generate does), or use "
-            "compiler='eager' or 'none', or torch >= 2.13"
-        )
 
 
 def _compile_graph(

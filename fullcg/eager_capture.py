@@ -482,7 +482,7 @@ def _stager(args: Sequence[Any], config: FullCGConfig) -> cudagraph.InputStager 
     with torch.inference_mode(False):  # persistent: written by every step, whatever its mode
         buffers = {i: torch.zeros((largest, *args[i].shape[1:]), dtype=args[i].dtype, device=args[i].device)
                    for i in token_args}
-    return cudagraph.InputStager(token_args, [], buffers)
+    return cudagraph.InputStager(token_args, [], buffers, config.sizes_to_capture)  # no guards: every size
 
 
 def _report(config: FullCGConfig, device: torch.device, probe: _Probe | None, name: str) -> str:

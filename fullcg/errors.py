@@ -25,7 +25,6 @@ __all__ = [
     "OverlappingOutputError",
     "InferenceTensorError",
     "ImplementationUnavailableError",
-    "CompilerBugError",
     "through_dynamo",
 ]
 
@@ -83,10 +82,6 @@ class InferenceTensorError(FullCGError, RuntimeError):
 
 class ImplementationUnavailableError(FullCGError, ImportError):
     """An attention implementation that cannot be imported here (its package is missing)."""
-
-
-class CompilerBugError(FullCGError, RuntimeError):
-    """A graph the installed torch is known to compile wrongly; the message says how to avoid it."""
 
 
 _dynamo_types: dict[type, type] = {}

@@ -502,24 +502,25 @@ def generate(
 
 
 def _first_step(run: Callable[..., Any], module: nn.Module, cache: Any, config: fullcg.FullCGConfig) -> None:
-    """Trace the model on a stand-in step and, unless the graph mode is ``none``, capture
-    every CUDA-graph size now, so no step pays for a capture.
+    """Trace the model on stand-in steps and, unless the graph mode is ``none``, capture
+    every CUDA-graph size now, so no step pays for a compile or a capture.
 
-    The stand-in is a two-token prompt in the cache's first pages; those slots are
-    overwritten before any request reads them (a request's keys are always written before
-    they are attended). Two tokens, not one: this step is the model's first trace, and
-    torch 2.11's Inductor miscompiles a transformers model traced at one token on CUDA (it
-    sizes a buffer for one token, and every longer step reads past its end).
+    The stand-ins are a two-token prompt, then a one-token one, in the cache's first pages;
+    those slots are overwritten before any request reads them (a request's keys are always
+    written before they are attended). Both counts, because Inductor may guard a graph to
+    "more than one token" (torch 2.11 does for transformers models on CUDA): Dynamo then
+    compiles a second graph for one-token steps, now rather than at the first decode step.
+    Where one graph serves every count, the second stand-in just runs it.
     """
     device = cache.k.device
-    tokens = min(2, cache.page_size * cache.num_pages)
-    table = torch.arange(-(-tokens // cache.page_size), dtype=torch.int32)[None]
-    md = fullcg.AttentionMetadata.build([tokens], [0], table, cache.page_size, device=device)
-    ids = torch.zeros(tokens, dtype=torch.long, device=device)
-    pos = torch.arange(tokens, dtype=torch.long, device=device)
-    mark_token_dim(ids, pos)
-    if config.graph_mode is not GraphMode.NONE:
-        fullcg.capture(run, md, module, ids, pos)
-    else:
-        with fullcg.forward_context(md, module, config=config):
-            run(ids, pos)
+    for tokens in sorted({min(2, cache.page_size * cache.num_pages), 1}, reverse=True):
+        table = torch.arange(-(-tokens // cache.page_size), dtype=torch.int32)[None]
+        md = fullcg.AttentionMetadata.build([tokens], [0], table, cache.page_size, device=device)
+        ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        pos = torch.arange(tokens, dtype=torch.long, device=device)
+        mark_token_dim(ids, pos)
+        if config.graph_mode is not GraphMode.NONE:
+            fullcg.capture(run, md, module, ids, pos)
+        else:
+            with fullcg.forward_context(md, module, config=config):
+                run(ids, pos)

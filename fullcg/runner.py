@@ -102,8 +102,8 @@ class StepRunner:
         self.stager = stager
         self.token_outputs = token_outputs
         self.full_capturable = full_capturable
-        self.sizes = config.sizes_to_capture
-        self.captures = pool is not None and stager is not None
+        self.sizes = stager.sizes if stager is not None else config.sizes_to_capture
+        self.captures = pool is not None and stager is not None and bool(self.sizes)
         self.full_graphs: dict[tuple[int, bool], cudagraph.Captured] = {}
         self.static_metadata: dict[int, cudagraph.StaticMetadata] = {}
         self.tables: cudagraph.StaticTables | None = None

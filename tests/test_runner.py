@@ -20,9 +20,44 @@ def test_batches_pad_to_the_next_capture_size_and_larger_ones_run_uncaptured():
     assert [cudagraph.padded_size(n, sizes) for n in (1, 3, 4, 9, 64, 65)] == [1, 4, 4, 16, 64, None]
 
 
+def test_a_graph_captures_only_the_token_counts_its_guards_admit():
+    # Dynamo routes a step to a graph whose guards hold, but the runner pads steps to capture
+    # sizes behind Dynamo's back: a graph guarded to "not one token" (or to exactly one)
+    # must not be captured or run at sizes its guards reject.
+    from fullcg.backend import token_counts_served
+
+    served = []
+
+    def backend(gm, example_inputs):
+        values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        tokens = next(v for v in values if isinstance(v, torch.Tensor)).shape[0]
+
+        def run(*args):  # guards are complete once compiling ends, as in the fullcg backend
+            if len(served) < len(compiled_graphs):
+                served.append(token_counts_served(tokens, (1, 2, 4, 8)))
+            return gm(*args)
+
+        compiled_graphs.append(run)
+        return run
+
+    def step(x):
+        return x * 2 if x.shape[0] == 1 else x + 1
+
+    compiled_graphs: list = []
+    fn = torch.compile(step, backend=backend, dynamic=None)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        for n in (2, 1, 3):
+            x = torch.ones(n)
+            torch._dynamo.mark_dynamic(x, 0)
+            assert torch.equal(fn(x), step(x))
+    torch._dynamo.reset()
+    assert served == [(2, 4, 8), (1,)]
+    assert token_counts_served(4, (1, 2, 4, 8)) == (4,), "a static token count serves itself alone"
+
+
 def test_inputs_are_staged_into_fixed_buffers_and_size_inputs_become_the_padded_size():
     buffers = {0: torch.zeros(16, dtype=torch.long), 2: torch.zeros(16, 3)}
-    stager = cudagraph.InputStager([0, 2], [1], buffers)
+    stager = cudagraph.InputStager([0, 2], [1], buffers, (1, 2, 4, 8, 16))
     ids, hidden = torch.arange(1, 6), torch.ones(5, 3)
     weight = torch.randn(3, 3)
     assert stager.num_tokens([ids, 5, hidden, weight]) == 5

@@ -11,10 +11,8 @@ import copy
 import pytest
 import torch
 from hf_models import build
-from torch.torch_version import TorchVersion
 
 import fullcg
-from fullcg.errors import CompilerBugError
 from fullcg.integrations import transformers as fhf
 
 pytestmark = [
@@ -51,15 +49,24 @@ def test_generate_with_inductor_and_cuda_graphs_equals_hf_greedy_generate(graph_
     assert any(k.endswith(":captured") for k in fullcg.graph_mode_counts())
 
 
-@pytest.mark.skipif(TorchVersion(torch.__version__) >= (2, 13), reason="torch >= 2.13 compiles a one-token trace")
-def test_a_first_trace_at_one_token_is_refused_where_torch_miscompiles_it():
+def test_a_graph_first_traced_at_one_token_serves_longer_steps_through_graphs_of_their_own():
+    # A one-token first trace: on torch 2.11 Inductor guards it to exactly one token (its
+    # buffers sized for one), so it must be captured at size 1 only, and longer steps get a
+    # graph of their own. Every step equals the uncompiled model.
     torch._dynamo.reset()
     _, _, step = _pair()
-    compiled = fullcg.compile(step, compiler="inductor", graph_mode="piecewise")
-    table = torch.arange(4, dtype=torch.int32)[None]
-    md = fullcg.AttentionMetadata.build([1], [0], table, 16, device="cuda")
-    ids = torch.tensor([5], device="cuda")
-    pos = torch.tensor([0], device="cuda")
-    with pytest.raises(CompilerBugError, match="two tokens or more"), torch.no_grad(), \
-            fullcg.forward_context(md, step):
-        compiled(ids, pos)
+    compiled = fullcg.compile(step, compiler="inductor", graph_mode="piecewise", attention_impl="triton",
+                              capture_sizes=(1, 2, 4, 8, 16))
+    table = torch.arange(16, dtype=torch.int32).view(4, 4)
+    # Request 0 (table row 0) grows one step after another; request 1 (row 1) joins once.
+    for q_lens, p_lens, rows in [([1], [0], [0]), ([12], [1], [0]), ([1], [13], [0]), ([5, 1], [0, 14], [1, 0]),
+                                 ([1], [15], [0])]:
+        md = fullcg.AttentionMetadata.build(q_lens, p_lens, table[rows], 16, device="cuda")
+        ids = torch.cat([torch.randint(3, 100, (q,)) for q in q_lens]).cuda()
+        pos = torch.cat([torch.arange(p, p + q) for q, p in zip(q_lens, p_lens)]).cuda()
+        with torch.inference_mode(), fullcg.forward_context(md, step):
+            got = compiled(ids, pos)
+            want = step(ids, pos)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    for runner in compiled.backend.runners:
+        assert runner.sizes, "every graph captures the sizes it serves"
