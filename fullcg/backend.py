@@ -36,7 +36,8 @@ from fullcg.eager_capture import EagerCaptureModel
 from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
 from fullcg.passes.piece_key import piece_key
 from fullcg.passes.split import Piece, reads_host_plan
-from fullcg.runner import PieceCall, StepRunner
+from fullcg.dispatch import MISS, DirectDispatch
+from fullcg.runner import PieceCall, StepRunner, observed_runner_calls
 
 __all__ = ["Backend", "CompiledModel", "compile", "fullcg_backend"]
 
@@ -208,10 +209,10 @@ def _fake_inputs(fake_mode: Any, example_inputs: Sequence[Any]) -> list[Any]:
 def _token_layout(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, device: torch.device
 ) -> tuple[InputStager | None, tuple[bool, ...] | None]:
-    """Which inputs and outputs carry the (symbolic) token dimension, and persistent
-    buffers for the inputs, sized for the largest capture size."""
-    if device.type != "cuda" or config.graph_mode is GraphMode.NONE:
-        return None, None
+    """Which inputs and outputs carry the (symbolic) token dimension, which token counts
+    the graph serves, and (when it will be captured) persistent buffers for the inputs,
+    sized for the largest capture size."""
+    captures = device.type == "cuda" and config.graph_mode is not GraphMode.NONE
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     token_args, size_args, buffers = [], [], {}
     for i, (node, real) in enumerate(zip(placeholders, example_inputs)):
@@ -222,10 +223,11 @@ def _token_layout(
             if any(isinstance(d, torch.SymInt) for d in fake.shape[1:]):
                 return None, None  # more than one dynamic dimension: not a token layout we can pad
             token_args.append(i)
-            with torch.inference_mode(False):  # persistent: written by every step, whatever its mode
-                buffers[i] = torch.zeros(
-                    (config.sizes_to_capture[-1], *fake.shape[1:]), dtype=fake.dtype, device=real.device
-                )
+            if captures:
+                with torch.inference_mode(False):  # persistent: written by every step, whatever its mode
+                    buffers[i] = torch.zeros(
+                        (config.sizes_to_capture[-1], *fake.shape[1:]), dtype=fake.dtype, device=real.device
+                    )
     if not token_args:
         return None, None
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -237,44 +239,45 @@ def _token_layout(
         and isinstance(v.shape[0], torch.SymInt)
         for o in outs
     )
-    tokens = placeholders[token_args[0]].meta["example_value"].shape[0]
-    sizes = token_counts_served(tokens, config.sizes_to_capture)
-    if sizes != config.sizes_to_capture:
+    admits = token_count_guard(placeholders[token_args[0]].meta["example_value"].shape[0])
+    sizes = tuple(s for s in config.sizes_to_capture if admits(s)) if captures else ()
+    if captures and sizes != config.sizes_to_capture:
         logger.info("fullcg: Dynamo's guards admit this graph at capture sizes %s only (of %s); it is captured at "
                     "those", list(sizes), list(config.sizes_to_capture))
-    return InputStager(token_args, size_args, buffers, sizes), token_outputs
+    return InputStager(token_args, size_args, buffers, sizes, admits), token_outputs
 
 
-def token_counts_served(tokens: torch.SymInt | int, sizes: Sequence[int]) -> tuple[int, ...]:
-    """The token counts among ``sizes`` at which a graph whose token dimension was traced
-    as ``tokens`` may run: those that satisfy every guard on that dimension alone.
+def token_count_guard(tokens: torch.SymInt | int) -> Callable[[int], bool]:
+    """Whether a graph whose token dimension was traced as ``tokens`` may run at a token
+    count: whether the count satisfies every guard on that dimension alone.
 
     Dynamo routes each step to a graph whose guards hold for it, but the runner pads a
-    step to a capture size, and captures every size up front, behind Dynamo's back. The
-    guards tracing and Inductor add narrow what a graph serves: traced at two tokens and
-    told ``tokens != 1`` (a stride that only matters for one token), it serves 2 and up;
-    the graph Dynamo then compiles for a one-token step is guarded to exactly 1 token,
-    and its buffers may be sized for one. Padding past its guards would run it on a shape
-    it was not compiled for. Read once the graph is compiled, so Inductor's guards count.
+    step to a capture size, and captures every size up front, behind Dynamo's back (and
+    :class:`fullcg.dispatch.DirectDispatch` skips Dynamo altogether). The guards tracing
+    and Inductor add narrow what a graph serves: traced at two tokens and told ``tokens !=
+    1`` (a stride that only matters for one token), it serves 2 and up; the graph Dynamo
+    then compiles for a one-token step is guarded to exactly 1 token, and its buffers may
+    be sized for one. Running a graph past its guards would run it on a shape it was not
+    compiled for. Build it once the graph is compiled, so Inductor's guards count.
     """
     if not isinstance(tokens, torch.SymInt):
-        return tuple(s for s in sizes if s == int(tokens))
+        return int(tokens).__eq__
     env = tokens.node.shape_env
     symbol = env.replacements.get(tokens.node.expr, tokens.node.expr)
     if symbol.is_number:
-        return tuple(s for s in sizes if s == int(symbol))
+        return int(symbol).__eq__
     # Guard expressions as recorded (simplifying them against the environment would use
     # the guards themselves as axioms and turn every one of them true).
     conditions = [g.expr.xreplace(env.replacements) for g in env.guards]
     conditions = [c for c in conditions if c.free_symbols == {symbol}]
     bounds = env.var_to_range.get(symbol)
 
-    def admits(size: int) -> bool:
-        if bounds is not None and not (bool(bounds.lower <= size) and bool(size <= bounds.upper)):
+    def admits(count: int) -> bool:
+        if bounds is not None and not (bool(bounds.lower <= count) and bool(count <= bounds.upper)):
             return False
-        return all(c.xreplace({symbol: sympy.Integer(size)}) != sympy.false for c in conditions)
+        return all(c.xreplace({symbol: sympy.Integer(count)}) != sympy.false for c in conditions)
 
-    return tuple(s for s in sizes if admits(s))
+    return admits
 
 
 #: Python's in-place operators (``x += y`` traces to ``operator.iadd``) and item assignment.
@@ -508,7 +511,11 @@ class CompiledModel:
     def __init__(self, model: torch.nn.Module, backend: Backend) -> None:
         self.model = model
         self.backend = backend
-        self._compiled = torch.compile(model, backend=backend)
+        # Steps after Dynamo's first call of a graph skip Dynamo (fullcg.dispatch);
+        # debug_checks keeps every step on Dynamo's guards.
+        self._direct = None if backend.config.debug_checks else DirectDispatch(model, backend.runners)
+        options = {"guard_filter_fn": self._direct.note_guards} if self._direct is not None else None
+        self._compiled = torch.compile(model, backend=backend, options=options)
 
     @property
     def config(self) -> FullCGConfig:
@@ -521,10 +528,20 @@ class CompiledModel:
         return self.backend.runners
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        direct = self._direct
+        if direct is not None and not kwargs:
+            out = direct(args)
+            if out is not MISS:
+                return out
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() >= 1:
                 torch._dynamo.mark_dynamic(value, 0)
-        return self._compiled(*args, **kwargs)
+        if direct is None or kwargs:
+            return self._compiled(*args, **kwargs)
+        with observed_runner_calls() as calls:
+            result = self._compiled(*args)
+        direct.learn(args, calls, result)
+        return result
 
     def __repr__(self) -> str:
         return f"fullcg.compile({type(self.model).__name__}, graph_mode={self.backend.config.graph_mode})"

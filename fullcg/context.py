@@ -282,6 +282,18 @@ def derived_context(
     return _pushed(derived)
 
 
+#: The static facts traced code may read, in the order :func:`static_facts` gives them.
+STATIC_FACTS = ("breakable", "num_prefix_chunks", "prefix_chunk_tokens", "prefill_factor", "decode_factor")
+
+
+def static_facts() -> tuple[object, ...]:
+    """The static facts of this thread's innermost context (named by :data:`STATIC_FACTS`):
+    what traced code may read, so what Dynamo guards on when it does."""
+    state = _state
+    return (state.breakable, state.num_prefix_chunks, state.prefix_chunk_tokens, state.prefill_factor,
+            state.decode_factor)
+
+
 def has_forward_context() -> bool:
     return bool(_state.stack)
 

@@ -202,16 +202,17 @@ class InputStager:
     ``token_args`` are the positions of tensor inputs whose first dimension is the token
     count; ``size_args`` the positions of symbolic-int inputs (that count, as an int).
     Other inputs (weights) already live at fixed addresses. ``sizes`` are the capture sizes
-    the graph may run padded to: those its guards admit (see
-    :func:`fullcg.backend.token_counts_served`).
+    the graph may run padded to; ``admits`` says whether the graph may run at a token count
+    (what its guards admit, see :func:`fullcg.backend.token_count_guard`; None: any).
     """
 
     def __init__(self, token_args: list[int], size_args: list[int], buffers: dict[int, torch.Tensor],
-                 sizes: tuple[int, ...]) -> None:
+                 sizes: tuple[int, ...], admits: Callable[[int], bool] | None = None) -> None:
         self.token_args = token_args
         self.size_args = size_args
         self.buffers = buffers
         self.sizes = sizes
+        self.admits = admits
 
     def num_tokens(self, args: Sequence[Any]) -> int | None:
         if not self.token_args:

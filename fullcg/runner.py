@@ -29,7 +29,7 @@ from fullcg.telemetry import count_step as _count
 from fullcg.telemetry import counts_discarded
 from fullcg.telemetry import graph_mode_counts, reset_graph_mode_counts
 
-__all__ = ["StepRunner", "PieceCall", "graph_mode_counts", "reset_graph_mode_counts", "request_capture", "capture"]
+__all__ = ["StepRunner", "PieceCall", "observed_runner_calls", "graph_mode_counts", "reset_graph_mode_counts", "request_capture", "capture"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,24 @@ _capture = threading.local()
 def request_capture() -> None:
     """Make the runners this thread calls next capture all their sizes (see :func:`capture`)."""
     _capture.requested = True
+
+
+# Runner calls are observed per thread too (fullcg.dispatch learns from them).
+_observed = threading.local()
+
+
+class observed_runner_calls:
+    """Collect the runner calls this thread makes inside the ``with`` block, as
+    ``(runner, args, output)`` (for :class:`fullcg.dispatch.DirectDispatch`)."""
+
+    def __enter__(self) -> list[tuple[StepRunner, tuple[Any, ...], Any]]:
+        self._outer = getattr(_observed, "calls", None)
+        calls: list[tuple[StepRunner, tuple[Any, ...], Any]] = []
+        _observed.calls = calls
+        return calls
+
+    def __exit__(self, *exc: object) -> None:
+        _observed.calls = self._outer
 
 
 def _take_capture_request() -> bool:
@@ -148,6 +166,13 @@ class StepRunner:
     # ------------------------------------------------------------------ the step
 
     def __call__(self, *args: Any) -> Any:
+        out = self._step(args)
+        calls = getattr(_observed, "calls", None)
+        if calls is not None:
+            calls.append((self, args, out))
+        return out
+
+    def _step(self, args: tuple[Any, ...]) -> Any:
         if self.on_first_call is not None:
             hook, self.on_first_call = self.on_first_call, None
             hook()

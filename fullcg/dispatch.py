@@ -1,0 +1,161 @@
+"""Direct dispatch: a compiled model's steps reach its runner without Dynamo.
+
+Dynamo checks thousands of guards per call on a 32-layer model (module hooks, types,
+every parameter), then fetches every parameter to pass to the graph: a few hundred
+microseconds of host time per step, more than a captured decode step's own host work.
+fullcg already checks what matters for a step itself (the forward context names the
+model and its caches; attention ops check the cache of every layer), so after Dynamo
+has compiled a graph, :class:`DirectDispatch` learns how Dynamo called its runner and
+calls it the same way:
+
+- the graph's inputs are the step's arguments (by position), the token count (for
+  symbolic sizes), and tensors of the model (parameters and buffers, at fixed addresses);
+- the step's arguments have the dtypes, devices and non-token shapes Dynamo saw;
+- the token count is one the runner's graph serves (:func:`fullcg.backend.token_count_guard`);
+- the static facts of the step that the graph's guards read (:func:`fullcg.context.static_facts`;
+  Dynamo hands its guards to :meth:`DirectDispatch.note_guards`) and its KV caches are the
+  ones the graph was traced with.
+
+Any other step (a new token count, other caches, keyword arguments, a graph break, a
+model whose compiled call was not a single runner call) goes through Dynamo, which may
+compile anew and teach the dispatcher another graph. What Dynamo would notice and this does
+not: a parameter or module replaced by another object after compiling (weights updated in
+place are fine). Replace them before compiling, or compile again (``config.debug_checks``
+keeps every step on Dynamo's guards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fullcg import context
+from fullcg.runner import StepRunner, observed_runner_calls
+
+__all__ = ["DirectDispatch", "MISS", "observed_runner_calls"]
+
+#: What :meth:`DirectDispatch.__call__` returns for a step that must go through Dynamo.
+MISS = object()
+
+
+@dataclasses.dataclass
+class _Route:
+    """How one runner is called: its argument list with the step's parts filled in."""
+
+    runner: StepRunner
+    template: list[Any]
+    user_slots: tuple[tuple[int, int], ...]  # (graph input position, step argument position)
+    size_slots: tuple[int, ...]
+    unwrap: bool  # the model returns the graph's single output, not the tuple
+    facts: tuple[tuple[int, object], ...]  # (index in static_facts(), value) of the facts its guards read
+
+
+class DirectDispatch:
+    """Runs steps of one compiled model straight on its runners (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module, runners: Sequence[StepRunner]) -> None:
+        self._model_tensors = {id(t) for t in (*model.parameters(), *model.buffers())}
+        self._runners = runners  # the backend's, newest last
+        self._facts_read: dict[int, tuple[int, ...] | None] = {}  # id(runner) -> indices; None: unknown state
+        self._routes: list[_Route] = []
+        self._by_key: dict[tuple[int, tuple[object, ...]], _Route | None] = {}
+        self._signature: tuple[tuple[torch.dtype, torch.device, tuple[int, ...]], ...] | None = None
+        self._kv_caches: Mapping[int, Any] | None = None
+
+    def note_guards(self, entries: Sequence[Any]) -> list[bool]:
+        """Dynamo's ``guard_filter_fn``: keeps every guard, and notes which static facts the
+        graph just compiled (the backend's newest runner) reads."""
+        read: set[int] | None = set()
+        for entry in entries:
+            owner, _, attr = entry.name.rpartition(".")
+            if owner.endswith("._state") or owner == "_state":
+                if attr in context.STATIC_FACTS:
+                    read.add(context.STATIC_FACTS.index(attr))
+                else:
+                    read = None  # traced code read thread state this dispatcher does not know
+                    break
+        if self._runners:
+            self._facts_read[id(self._runners[-1])] = None if read is None else tuple(sorted(read))
+        return [True] * len(entries)
+
+    def learn(self, args: Sequence[Any], calls: Sequence[tuple[StepRunner, tuple[Any, ...], Any]],
+              result: Any) -> None:
+        """Learn a route from one step Dynamo ran: ``calls`` are its runner calls."""
+        if len(calls) != 1 or not args or not all(isinstance(a, torch.Tensor) and a.dim() >= 1 for a in args):
+            return
+        runner, graph_args, out = calls[0]
+        stager = runner.stager
+        ctx = context.current_context()
+        facts_read = self._facts_read.get(id(runner))
+        if stager is None or ctx is None or facts_read is None or any(r.runner is runner for r in self._routes):
+            return
+        n = args[0].shape[0]
+        if any(a.shape[0] != n for a in args):
+            return
+        user_slots, template = [], list(graph_args)
+        for pos, value in enumerate(graph_args):
+            if pos in stager.size_args:
+                continue
+            match = next((j for j, a in enumerate(args) if value is a), None)
+            if match is not None:
+                user_slots.append((pos, match))
+            elif not (isinstance(value, torch.Tensor) and id(value) in self._model_tensors):
+                return  # an input that is neither the step's nor the model's: only Dynamo knows it
+        if sorted(pos for pos, _ in user_slots) != sorted(stager.token_args):
+            return
+        if result is out:
+            unwrap = False
+        elif isinstance(out, (tuple, list)) and len(out) == 1 and result is out[0]:
+            unwrap = True
+        else:
+            return
+        signature = tuple((a.dtype, a.device, tuple(a.shape[1:])) for a in args)
+        if self._signature is not None and signature != self._signature:
+            return
+        for pos, _ in user_slots:
+            template[pos] = None  # not kept alive: filled in by every step
+        self._signature = signature
+        self._kv_caches = ctx.kv_caches
+        facts = context.static_facts()
+        self._routes.append(_Route(runner, template, tuple(user_slots), tuple(stager.size_args), unwrap,
+                                   tuple((i, facts[i]) for i in facts_read)))
+        self._by_key.clear()
+
+    def __call__(self, args: Sequence[Any]) -> Any:
+        """The step's output, or :data:`MISS` when the step must go through Dynamo."""
+        if not self._routes:
+            return MISS
+        ctx = context.current_context()
+        if ctx is None or not args or (ctx.kv_caches is not self._kv_caches and ctx.kv_caches != self._kv_caches):
+            return MISS  # (a model's cache map is one object until a cache changes; a mapping is compared)
+        if not isinstance(args[0], torch.Tensor) or len(args) != len(self._signature):
+            return MISS
+        key = (args[0].shape[0], context.static_facts())
+        route = self._by_key.get(key, MISS)
+        if route is MISS:
+            route = self._by_key[key] = self._route_for(*key)
+        if route is None:
+            return MISS
+        n = key[0]
+        for a, (dtype, device, rest) in zip(args, self._signature):
+            if not isinstance(a, torch.Tensor) or a.dtype != dtype or a.device != device or a.shape[1:] != rest \
+                    or a.shape[0] != n:
+                return MISS
+        graph_args = list(route.template)
+        for pos, j in route.user_slots:
+            graph_args[pos] = args[j]
+        for pos in route.size_slots:
+            graph_args[pos] = n
+        out = route.runner(*graph_args)
+        return out[0] if route.unwrap else out
+
+    def _route_for(self, n: int, facts: tuple[object, ...]) -> _Route | None:
+        # The newest route first, as Dynamo tries its newest graph first.
+        for route in reversed(self._routes):
+            admits = route.runner.stager.admits
+            if all(facts[i] == value for i, value in route.facts) and (admits is None or admits(n)):
+                return route
+        return None

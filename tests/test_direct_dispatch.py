@@ -1,0 +1,110 @@
+"""fullcg.compile's steps skip Dynamo once it has compiled their graph, and go back to it
+whenever a step is not one the learned graph was made for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fullcg
+from fullcg.models.llama import LlamaConfig, LlamaModel
+
+TABLE = torch.arange(64, dtype=torch.int32).view(4, 16)
+STEPS = [([5], [0]), ([1], [5]), ([3, 1], [0, 6]), ([1, 1, 1], [3, 7, 2]), ([8], [0]), ([1], [8])]
+
+
+class DynamoCalls:
+    """Counts the steps that reach Dynamo (the compiled model's torch.compile wrapper)."""
+
+    def __init__(self, compiled: fullcg.backend.CompiledModel) -> None:
+        self.calls = 0
+        self._inner = compiled._compiled
+        compiled._compiled = self
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._inner(*args, **kwargs)
+
+
+def _step(q_lens, p_lens):
+    md = fullcg.AttentionMetadata.build(q_lens, p_lens, TABLE[: len(q_lens)], 4)
+    ids = torch.randint(0, 100, (sum(q_lens),))
+    pos = torch.cat([torch.arange(p, p + q) for q, p in zip(q_lens, p_lens)])
+    return md, ids, pos
+
+
+def _compiled(**options):
+    torch._dynamo.reset()
+    model, reference = LlamaModel(LlamaConfig.tiny()), LlamaModel(LlamaConfig.tiny())
+    for m in (model, reference):
+        m.allocate_kv_cache(64, 4)
+    compiled = fullcg.compile(model, compiler="eager", **options)
+    return model, reference, compiled, DynamoCalls(compiled)
+
+
+def test_steps_after_the_first_reach_the_runner_without_dynamo_and_equal_eager():
+    model, reference, compiled, dynamo = _compiled()
+    for q_lens, p_lens in STEPS:
+        md, ids, pos = _step(q_lens, p_lens)
+        with torch.inference_mode():
+            with fullcg.forward_context(md, model):
+                got = compiled(ids, pos)
+            with fullcg.forward_context(md, reference):
+                want = reference(ids, pos)
+        torch.testing.assert_close(got, want)
+    assert dynamo.calls == 1, "only the first step goes through Dynamo"
+    assert len(compiled.backend.runners) == 1
+
+
+def test_steps_the_learned_graph_was_not_made_for_go_through_dynamo():
+    model, _, compiled, dynamo = _compiled()
+    md, ids, pos = _step([3], [0])
+    with torch.inference_mode():
+        with fullcg.forward_context(md, model):
+            compiled(ids, pos)
+        with fullcg.forward_context(md, model):
+            compiled(ids, pos)
+        assert dynamo.calls == 1
+        with fullcg.forward_context(md, model):
+            compiled(ids, positions=pos)
+        assert dynamo.calls == 2, "keyword arguments: Dynamo binds them"
+        with fullcg.forward_context(md, model):
+            compiled(ids.int(), pos)
+        assert dynamo.calls == 3, "another dtype: Dynamo's guards decide"
+        graphs = len(compiled.backend.runners)
+        with fullcg.forward_context(md, model, breakable=True):
+            compiled(ids, pos)
+        assert dynamo.calls == 4, "other static facts (breakable attention): another graph"
+        assert len(compiled.backend.runners) == graphs + 1
+        with fullcg.forward_context(md, model, breakable=True):
+            compiled(ids, pos)
+        assert dynamo.calls == 4, "and that graph is learned too"
+        other = LlamaModel(LlamaConfig.tiny())
+        other.allocate_kv_cache(64, 4)
+        with pytest.raises(Exception, match="LlamaModel"), fullcg.forward_context(md, other):
+            compiled(ids, pos)  # another model's caches: Dynamo, where attention names both models
+        assert dynamo.calls == 5
+
+
+def test_a_token_count_the_graph_does_not_admit_goes_through_dynamo():
+    # A graph guarded to some token counts (torch 2.11's Inductor guards "more than one
+    # token" on some graphs) must not take steps of other counts behind Dynamo's back.
+    model, _, compiled, dynamo = _compiled()
+    with torch.inference_mode():
+        for q_lens, p_lens in [([2], [0]), ([1], [2]), ([1], [3])]:
+            if dynamo.calls:
+                compiled.backend.runners[0].stager.admits = lambda n: n != 1
+            md, ids, pos = _step(q_lens, p_lens)
+            with fullcg.forward_context(md, model):
+                compiled(ids, pos)
+    assert dynamo.calls == 3
+
+
+def test_debug_checks_keep_every_step_on_dynamos_guards():
+    model, _, compiled, dynamo = _compiled(debug_checks=True)
+    with torch.inference_mode():
+        for q_lens, p_lens in STEPS[:3]:
+            md, ids, pos = _step(q_lens, p_lens)
+            with fullcg.forward_context(md, model):
+                compiled(ids, pos)
+    assert dynamo.calls == 3
