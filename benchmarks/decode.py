@@ -8,14 +8,15 @@ step time over ``--repeats`` of
 
 - ``eager``: the model uncompiled (fullcg.Attention with the chosen implementation);
 - ``peer``: gpt-fast style static KV cache + SDPA under ``torch.compile(mode="reduce-overhead")``;
-- ``piecewise``, ``full`` and ``default``: ``torch.compile(model, backend="fullcg")`` in the
-  graph modes ``piecewise``, ``full`` and the default policy (``auto``);
+- ``piecewise``, ``full`` and ``default``: ``fullcg.compile(model, config)`` (the fullcg
+  backend under ``torch.compile``, steps after a graph's first dispatched without Dynamo)
+  in the graph modes ``piecewise``, ``full`` and the default policy (``auto``);
 
 plus the bandwidth floor (weights + KV bytes read per step over measured copy bandwidth),
 compile and capture times, graph pool memory, and mixed / prefill steps in every mode
 (``mixed_ms`` rows: ``name``, ``tokens``, ``eager``, ``piecewise``, ``full``, ``default``).
-Step times include the host work before the step's first kernel (context entry, Dynamo's
-guards, the runner), so they move with the host's speed; ``full_replay_only`` and
+Step times include the host work before the step's first kernel (context entry, the
+dispatch, the runner), so they move with the host's speed; ``full_replay_only`` and
 ``default_replay_only`` time the captured decode graph's replays alone (the GPU's time).
 """
 
@@ -190,8 +191,8 @@ def main() -> None:
         for mode in [] if args.peer_only else args.modes:
             torch._dynamo.reset()
             config = base.replace(graph_mode="auto" if mode == "default" else mode)
-            backend = fullcg.Backend(config)
-            compiled = torch.compile(model, backend=backend)
+            compiled = fullcg.compile(model, config)
+            backend = compiled.backend
             before = torch.cuda.memory_reserved(dev)
             t0 = time.perf_counter()
             step_fn(compiled, 1, 16, config)()  # compile + capture of size 1

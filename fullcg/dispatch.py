@@ -60,6 +60,7 @@ class DirectDispatch:
         self._model_tensors = {id(t) for t in (*model.parameters(), *model.buffers())}
         self._runners = runners  # the backend's, newest last
         self._facts_read: dict[int, tuple[int, ...] | None] = {}  # id(runner) -> indices; None: unknown state
+        self._noted = 0  # runners whose guards were noted
         self._routes: list[_Route] = []
         self._by_key: dict[tuple[int, tuple[object, ...]], _Route | None] = {}
         self._signature: tuple[tuple[torch.dtype, torch.device, tuple[int, ...]], ...] | None = None
@@ -77,7 +78,10 @@ class DirectDispatch:
                 else:
                     read = None  # traced code read thread state this dispatcher does not know
                     break
-        if self._runners:
+        # Dynamo hands over each frame's guards right after compiling it; a frame that made
+        # no runner (no graph) has nothing to note.
+        if len(self._runners) > self._noted:
+            self._noted = len(self._runners)
             self._facts_read[id(self._runners[-1])] = None if read is None else tuple(sorted(read))
         return [True] * len(entries)
 

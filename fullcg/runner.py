@@ -52,12 +52,14 @@ class observed_runner_calls:
 
     def __enter__(self) -> list[tuple[StepRunner, tuple[Any, ...], Any]]:
         self._outer = getattr(_observed, "calls", None)
-        calls: list[tuple[StepRunner, tuple[Any, ...], Any]] = []
-        _observed.calls = calls
-        return calls
+        self._calls: list[tuple[StepRunner, tuple[Any, ...], Any]] = []
+        _observed.calls = self._calls
+        return self._calls
 
     def __exit__(self, *exc: object) -> None:
         _observed.calls = self._outer
+        if self._outer is not None:  # an enclosing block sees these calls too
+            self._outer.extend(self._calls)
 
 
 def _take_capture_request() -> bool:
