@@ -223,8 +223,10 @@ class FullCGConfig:
         debug_graph_inputs: check on every replay that captured pieces read their inputs
             from the addresses they were captured with (a debugging aid; costs host time).
         debug_checks: repeat, on every attention call of a compiled step, the shape, dtype
-            and attribute checks that tracing already did once (a debugging aid; costs
-            host time). Uncompiled (eager) calls are always checked in full.
+            and attribute checks that tracing already did once, and send every step of a
+            ``fullcg.compile`` model through Dynamo's guards rather than dispatching it
+            directly (a debugging aid; costs host time). Uncompiled (eager) calls are
+            always checked in full.
         max_pages_per_request: page-table columns that captured full graphs hold for one
             request (its longest prefix plus new tokens, in pages); None = the KV cache's
             page count. A batch with a longer page table runs uncaptured.
