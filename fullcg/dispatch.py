@@ -57,7 +57,7 @@ class DirectDispatch:
     """Runs steps of one compiled model straight on its runners (see the module doc)."""
 
     def __init__(self, model: torch.nn.Module, runners: Sequence[StepRunner]) -> None:
-        self._model_tensors = {id(t) for t in (*model.parameters(), *model.buffers())}
+        self._model = model
         self._runners = runners  # the backend's, newest last
         self._facts_read: dict[int, tuple[int, ...] | None] = {}  # id(runner) -> indices; None: unknown state
         self._noted = 0  # runners whose guards were noted
@@ -100,13 +100,14 @@ class DirectDispatch:
         if any(a.shape[0] != n for a in args):
             return
         user_slots, template = [], list(graph_args)
+        model_tensors = {id(t) for t in (*self._model.parameters(), *self._model.buffers())}
         for pos, value in enumerate(graph_args):
             if pos in stager.size_args:
                 continue
             match = next((j for j, a in enumerate(args) if value is a), None)
             if match is not None:
                 user_slots.append((pos, match))
-            elif not (isinstance(value, torch.Tensor) and id(value) in self._model_tensors):
+            elif not (isinstance(value, torch.Tensor) and id(value) in model_tensors):
                 return  # an input that is neither the step's nor the model's: only Dynamo knows it
         if sorted(pos for pos, _ in user_slots) != sorted(stager.token_args):
             return
