@@ -98,12 +98,44 @@ def _compile_piece(
             logger.warning("fullcg: %s compiled only with the caches off (%s); the cache entry is discarded",
                            name, _describe(error))
             return call
+    if "CantSplit" in _describe(error):
+        call = _retiled_piece(name, gm, example_inputs, error)
+        if call is not None:
+            return call
     # A compiler bug in one piece (torch 2.11's Inductor cannot tile some reductions over
     # size-oblivious token counts) must not stop the model: that piece runs as traced,
     # still inside CUDA graphs, and the split report names it.
     fallbacks[name] = _describe(error)
     logger.warning("fullcg: Inductor failed on %s (%s); it runs as traced, without Inductor", name, fallbacks[name])
     return PieceCall(name, gm)
+
+
+#: Inductor settings tried in turn on a piece Inductor could not tile (``CantSplit``: torch
+#: 2.11 fuses a kernel over a symbolic token count whose loops it then cannot split) before
+#: the piece runs as traced. Each keeps more of Inductor than running the piece as traced.
+TILING_RETRIES: tuple[dict[str, Any], ...] = (
+    {"loop_ordering_after_fusion": False},
+    {"loop_ordering_after_fusion": False, "split_reductions": False, "triton.persistent_reductions": False},
+)
+
+
+def _retiled_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                   error: BaseException) -> PieceCall | None:
+    """``name`` compiled under the first of :data:`TILING_RETRIES` Inductor accepts, or None."""
+    import torch._inductor.config as inductor_config
+
+    for settings in TILING_RETRIES:
+        try:
+            with inductor_config.patch(settings):
+                call = _inductor_piece(name, gm, example_inputs)
+        except FullCGError:
+            raise
+        except Exception:
+            continue
+        logger.warning("fullcg: Inductor could not tile %s (%s); compiled it with Inductor settings %s",
+                       name, _describe(error), settings)
+        return call
+    return None
 
 
 def _describe(exc: BaseException) -> str:

@@ -77,7 +77,39 @@ def test_a_piece_inductor_fails_on_runs_as_traced_and_the_split_report_names_it(
     messages = [r.getMessage() for r in caplog.records]
     assert not any("compiling with the compile cache failed" in m for m in messages)
     assert any("Inductor failed on submod_0" in m for m in messages)
-    assert attempts.count("submod_0") == 2, "once in the cache session, once with the caches off"
+    assert attempts.count("submod_0") == 2 + len(fullcg.backend.TILING_RETRIES), (
+        "once in the cache session, once with the caches off, once per tiling setting"
+    )
+
+
+def test_a_piece_inductor_can_tile_only_with_other_settings_is_compiled_with_them(monkeypatch, caplog):
+    # torch 2.11's Inductor can fail to tile a fused kernel over a symbolic token count
+    # (CantSplit); other fusion and tiling settings may compile it, which keeps more of
+    # Inductor than running the piece as traced.
+    import torch._inductor.config as inductor_config
+
+    import fullcg.backend
+
+    real = fullcg.backend._inductor_piece
+    settings_seen = []
+
+    def inductor_that_needs_other_tiling(name, gm, example_inputs):
+        settings_seen.append(inductor_config.loop_ordering_after_fusion)
+        if inductor_config.loop_ordering_after_fusion:
+            raise RuntimeError("InductorError: CantSplit: 256 not divisible by 256*s72")
+        return real(name, gm, example_inputs)
+
+    monkeypatch.setattr(fullcg.backend, "_inductor_piece", inductor_that_needs_other_tiling)
+    torch._dynamo.reset()
+    model, reference = _models()
+    compiled = fullcg.compile(model, compiler="inductor", graph_mode="piecewise")
+    with caplog.at_level("WARNING", logger="fullcg"), inductor_config.patch(loop_ordering_after_fusion=True):
+        _run_steps_against_eager(model, compiled, reference)
+    (runner,) = compiled.backend.runners
+    assert "runs as traced" not in runner.report
+    assert False in settings_seen
+    assert any("compiled it with Inductor settings {'loop_ordering_after_fusion': False}" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_piece_that_compiles_only_with_the_caches_off_blames_the_cache_and_discards_its_entry(monkeypatch, tmp_path,
