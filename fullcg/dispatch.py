@@ -19,9 +19,10 @@ calls it the same way:
 Any other step (a new token count, other caches, keyword arguments, a graph break, a
 model whose compiled call was not a single runner call) goes through Dynamo, which may
 compile anew and teach the dispatcher another graph. What Dynamo would notice and this does
-not: a parameter or module replaced by another object after compiling (weights updated in
-place are fine). Replace them before compiling, or compile again (``config.debug_checks``
-keeps every step on Dynamo's guards).
+not: the model changed after compiling in a way its traced code would see (a parameter or
+module replaced by another object, a Python attribute such as a flag the forward reads
+set to another value); weights updated in place are fine. Make such changes before
+compiling, or compile again (``config.debug_checks`` keeps every step on Dynamo's guards).
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ from fullcg.telemetry import count_step as _count
 from fullcg.telemetry import counts_discarded
 from fullcg.telemetry import graph_mode_counts, reset_graph_mode_counts
 
-__all__ = ["StepRunner", "PieceCall", "observed_runner_calls", "graph_mode_counts", "reset_graph_mode_counts", "request_capture", "capture"]
+__all__ = [
+    "StepRunner", "PieceCall", "observed_runner_calls", "graph_mode_counts", "reset_graph_mode_counts",
+    "request_capture", "capture",
+]
 
 logger = logging.getLogger(__name__)
 
