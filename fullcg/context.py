@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fullcg.config import FullCGConfig
+from fullcg.config import FullCGConfig, env_config
 from fullcg.errors import InferenceTensorError
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata
@@ -214,7 +214,7 @@ def forward_context(
     ctx = ForwardContext(
         metadata=metadata,
         kv_caches=_collect_kv_caches(kv_caches),
-        config=config if config is not None else FullCGConfig.from_env(),
+        config=config if config is not None else env_config(),
         breakable=bool(breakable),
         source=_describe(kv_caches),
     )

@@ -39,6 +39,24 @@ def test_forward_context_reads_the_environment_when_no_config_is_given(monkeypat
         assert fullcg.context.skip_softmax_factors() == (None, 2.5)
 
 
+def test_a_context_without_a_config_follows_the_environment_as_it_changes(monkeypatch):
+    # The config is built once per distinct set of FULLCG_* values (building one per step
+    # would cost more than the rest of the context entry), yet never goes stale.
+    from batches import make_batch
+
+    b = make_batch([1], [3])
+    seen = []
+    for value in ("2.5", "4", "2.5"):
+        monkeypatch.setenv(ENV_SKIP_SOFTMAX_DECODE, value)
+        with fullcg.forward_context(b.metadata, b.layer) as ctx:
+            seen.append(ctx.config)
+    assert [c.skip_softmax.decode_scale_factor for c in seen] == [2.5, 4.0, 2.5]
+    assert seen[0] is seen[2], "the same environment reuses its config"
+    monkeypatch.delenv(ENV_SKIP_SOFTMAX_DECODE)
+    with fullcg.forward_context(b.metadata, b.layer) as ctx:
+        assert ctx.config.skip_softmax.decode_scale_factor is None
+
+
 @pytest.mark.parametrize("var", [ENV_SKIP_SOFTMAX_PREFILL, ENV_SKIP_SOFTMAX_DECODE])
 @pytest.mark.parametrize("raw", ["-1", "nan", "inf", "-inf", "lots"])
 def test_invalid_environment_values_name_the_variable(var, raw):
