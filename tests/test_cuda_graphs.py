@@ -68,6 +68,28 @@ def test_every_graph_mode_matches_eager_with_changing_lengths(impl, graph_mode, 
     assert len(compiles) == 1, "no recompiles across steps"
 
 
+@pytest.mark.parametrize("graph_mode", ["auto", "piecewise", "full"])
+def test_fullcg_compile_dispatches_captured_steps_without_dynamo_and_matches_eager(graph_mode):
+    torch._dynamo.reset()
+    fullcg.reset_graph_mode_counts()
+    config = fullcg.FullCGConfig(attention_impl="triton", graph_mode=graph_mode, capture_sizes=(1, 2, 4, 8, 16, 32, 64))
+    eager, model = _pair("tiny")
+    compiled = fullcg.compile(model, config)
+    through_dynamo = []
+    inner = compiled._compiled
+
+    def dynamo(*args, **kwargs):
+        through_dynamo.append(args[0].shape[0])
+        return inner(*args, **kwargs)
+
+    compiled._compiled = dynamo
+    worst, steps = _run(eager, model, compiled, config)
+    assert worst < 3e-2, f"relative difference {worst}"
+    counts = fullcg.graph_mode_counts()
+    assert sum(v for k, v in counts.items() if k.endswith(":captured")) == steps, counts
+    assert len(through_dynamo) == 1 < steps, "only the first step goes through Dynamo"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_chunked_prefix_pattern_under_cuda_graphs(impl):
     torch._dynamo.reset()
