@@ -20,8 +20,8 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import sympy
+import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 

@@ -357,15 +357,17 @@ ENV_VARS = (ENV_SKIP_SOFTMAX_PREFILL, ENV_SKIP_SOFTMAX_DECODE, ENV_ATTENTION_IMP
 _env_configs: dict[tuple[object, ...], FullCGConfig] = {}
 # os.environ.get encodes the name and raises and catches KeyError for an unset variable
 # (about 2 us each); its underlying dict, keyed by encoded names, answers in a tenth of that.
-_env_data = getattr(os.environ, "_data", None)
-_env_keys = tuple(map(os.environ.encodekey, ENV_VARS)) if _env_data is not None else ENV_VARS
+_env_get, _env_keys = (
+    (os.environ._data.get, tuple(map(os.environ.encodekey, ENV_VARS))) if hasattr(os.environ, "_data")
+    else (os.environ.get, ENV_VARS)
+)
 
 
 def env_config() -> FullCGConfig:
     """``FullCGConfig.from_env()`` for the environment as it is now, built once per distinct
     set of values: a step's context entry without a config calls it, and building a config
     costs tens of microseconds where looking the variables up costs one or two."""
-    key = tuple(map((_env_data if _env_data is not None else os.environ).get, _env_keys))
+    key = tuple(map(_env_get, _env_keys))
     config = _env_configs.get(key)
     if config is None:
         config = _env_configs[key] = FullCGConfig.from_env()

@@ -513,7 +513,7 @@ def _first_step(run: Callable[..., Any], module: nn.Module, cache: Any, config: 
     Where one graph serves every count, the second stand-in just runs it.
     """
     device = cache.k.device
-    for tokens in sorted({min(2, cache.page_size * cache.num_pages), 1}, reverse=True):
+    for tokens in (2, 1) if cache.page_size * cache.num_pages >= 2 else (1,):
         table = torch.arange(-(-tokens // cache.page_size), dtype=torch.int32)[None]
         md = fullcg.AttentionMetadata.build([tokens], [0], table, cache.page_size, device=device)
         ids = torch.zeros(tokens, dtype=torch.long, device=device)
