@@ -186,3 +186,19 @@ def cuda_side_by_side(eager, model, run, config, prompts, *, prefill_chunk: int 
         eager_config=config.replace(graph_mode="none"), relative=True,
     )
     return worst, len(modes)
+
+
+def run_steps_against_eager(model, compiled, reference, steps) -> None:
+    """Each ``(query_lens, prefix_lens)`` step of ``steps`` through ``compiled`` (stepping
+    ``model``) and through ``reference``, on CPU caches of 64 pages of 4; the logits must agree."""
+    table = torch.arange(64, dtype=torch.int32).view(4, 16)
+    for q_lens, p_lens in steps:
+        md = fullcg.AttentionMetadata.build(q_lens, p_lens, table[: len(q_lens)], 4)
+        ids = torch.randint(0, 100, (sum(q_lens),))  # plain tensors: nothing marked dynamic
+        pos = torch.cat([torch.arange(p, p + q) for q, p in zip(q_lens, p_lens)])
+        with torch.inference_mode():
+            with fullcg.forward_context(md, model):
+                got = compiled(ids, pos)
+            with fullcg.forward_context(md, reference):
+                want = reference(ids, pos)
+        torch.testing.assert_close(got, want)

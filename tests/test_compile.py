@@ -7,6 +7,7 @@ import torch
 
 import fullcg
 from fullcg.models.llama import LlamaConfig, LlamaModel
+from batches import run_steps_against_eager
 
 
 def _steps():
@@ -24,17 +25,7 @@ def _models() -> tuple[LlamaModel, LlamaModel]:
 
 def _run_steps_against_eager(model: LlamaModel, compiled, reference: LlamaModel) -> None:
     """Every batch of ``_steps()`` through ``compiled`` and ``reference``; the logits must agree."""
-    table = torch.arange(64, dtype=torch.int32).view(4, 16)
-    for q_lens, p_lens in _steps():
-        md = fullcg.AttentionMetadata.build(q_lens, p_lens, table[: len(q_lens)], 4)
-        ids = torch.randint(0, 100, (sum(q_lens),))  # plain tensors: nothing marked dynamic
-        pos = torch.cat([torch.arange(p, p + q) for q, p in zip(q_lens, p_lens)])
-        with torch.inference_mode():
-            with fullcg.forward_context(md, model):
-                got = compiled(ids, pos)
-            with fullcg.forward_context(md, reference):
-                want = reference(ids, pos)
-        torch.testing.assert_close(got, want)
+    run_steps_against_eager(model, compiled, reference, _steps())
 
 
 def test_fullcg_compile_serves_every_token_count_with_the_first_graph_and_matches_eager():

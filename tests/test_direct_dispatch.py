@@ -8,6 +8,7 @@ import torch
 
 import fullcg
 from fullcg.models.llama import LlamaConfig, LlamaModel
+from batches import run_steps_against_eager
 
 TABLE = torch.arange(64, dtype=torch.int32).view(4, 16)
 STEPS = [([5], [0]), ([1], [5]), ([3, 1], [0, 6]), ([1, 1, 1], [3, 7, 2]), ([8], [0]), ([1], [8])]
@@ -44,14 +45,7 @@ def _compiled(**options):
 
 def test_steps_after_the_first_reach_the_runner_without_dynamo_and_equal_eager():
     model, reference, compiled, dynamo = _compiled()
-    for q_lens, p_lens in STEPS:
-        md, ids, pos = _step(q_lens, p_lens)
-        with torch.inference_mode():
-            with fullcg.forward_context(md, model):
-                got = compiled(ids, pos)
-            with fullcg.forward_context(md, reference):
-                want = reference(ids, pos)
-        torch.testing.assert_close(got, want)
+    run_steps_against_eager(model, compiled, reference, STEPS)
     assert dynamo.calls == 1, "only the first step goes through Dynamo"
     assert len(compiled.backend.runners) == 1
 
