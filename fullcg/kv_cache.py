@@ -18,6 +18,10 @@ _uids = itertools.count(1)
 class KVCache:
     """K and V pages of one layer, each ``[num_pages, page_size, num_kv_heads, head_dim]``.
 
+    :meth:`allocate` makes them one allocation (V after K) where their head dims agree;
+    caches made from two tensors work everywhere, but FlashInfer's FMHAv2 prefill reads
+    only the first kind (other steps' kernels are unaffected).
+
     The tensors are allocated once and never move, so CUDA graphs that read or write them
     stay valid for the cache's lifetime. ``uid`` is unique per cache in the process: an
     attention call names the cache its layer owns by it, so a step can never write into
@@ -68,6 +72,9 @@ class KVCache:
         # for the original).
         import copy
 
+        if self.k.shape == self.v.shape and self.k.untyped_storage().data_ptr() == self.v.untyped_storage().data_ptr():
+            both = torch.stack((self.k, self.v))  # one allocation again, as allocate() makes it
+            return KVCache(both[0], both[1])
         return KVCache(copy.deepcopy(self.k, memo), copy.deepcopy(self.v, memo))
 
     @classmethod
@@ -86,6 +93,11 @@ class KVCache:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise KVCacheError(f"{name} must be a positive integer, got {value!r}")
         v_dim = head_dim if v_head_dim is None else v_head_dim
+        if v_dim == head_dim:
+            # One allocation, V right after K: kernels that address V pages from K's pointer
+            # (FlashInfer's FMHAv2) can read it; to everything else k and v are two tensors.
+            both = torch.zeros(2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            return cls(both[0], both[1])
         return cls(
             torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device),
             torch.zeros(num_pages, page_size, num_kv_heads, v_dim, dtype=dtype, device=device),

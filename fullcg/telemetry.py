@@ -11,7 +11,8 @@ Skip-softmax: tiles visited and skipped, per layer and per kind of request.
 A tile is one (KV head, block of query rows, block of keys) unit of work. Counters live
 on the device of the attention that updates them, as ``int64 [2, 2]`` tensors indexed
 ``[kind, what]`` with kind 0 = prefill/extend, 1 = decode and what 0 = visited,
-1 = skipped. Kernels add to them without a host sync; reading them syncs.
+1 = skipped. Kernels add to them without a host sync; reading them syncs. Calls on
+kernels that count nothing (FlashInfer's) are counted per layer as unmeasured calls.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 __all__ = [
     "SkipSoftmaxStats", "skip_softmax_stats", "reset_skip_softmax_stats", "counters", "counts_discarded",
-    "graph_mode_counts", "reset_graph_mode_counts", "count_step", "count_fallback",
+    "graph_mode_counts", "reset_graph_mode_counts", "count_step", "count_fallback", "count_unmeasured",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ PREFILL, DECODE = 0, 1
 VISITED, SKIPPED = 0, 1
 
 _counters: dict[tuple[int, torch.device], torch.Tensor] = {}
+_unmeasured: collections.Counter[int] = collections.Counter()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,9 @@ class SkipSoftmaxStats:
     prefill_skipped: int = 0
     decode_visited: int = 0
     decode_skipped: int = 0
+    #: Skip-softmax calls that ran on kernels which count no tiles (FlashInfer's): their
+    #: tiles are in neither count, so the fraction above covers only the other calls.
+    unmeasured_calls: int = 0
 
     @property
     def visited(self) -> int:
@@ -94,7 +99,13 @@ class SkipSoftmaxStats:
 
     @property
     def skipped_fraction(self) -> float:
+        """Skipped over visited tiles of the calls that were counted (0.0 when none were)."""
         return self.skipped / self.visited if self.visited else 0.0
+
+    @property
+    def measured(self) -> bool:
+        """Every skip-softmax call of this layer was counted."""
+        return self.unmeasured_calls == 0
 
 
 def counters(layer_id: int, device: torch.device) -> torch.Tensor:
@@ -111,14 +122,26 @@ def counters(layer_id: int, device: torch.device) -> torch.Tensor:
     return t
 
 
+def count_unmeasured(layer_id: int) -> None:
+    """Note one skip-softmax call of ``layer_id`` on a kernel that counts no tiles."""
+    with _steps_lock:
+        _unmeasured[layer_id] += 1
+
+
 def skip_softmax_stats() -> dict[int, SkipSoftmaxStats]:
-    """Counters of every layer that ran skip-softmax attention, summed over devices."""
+    """Counters of every layer that ran skip-softmax attention, summed over devices.
+
+    A layer whose calls ran on kernels that count no tiles shows them as
+    ``unmeasured_calls`` (``measured`` is False), never as zero skipped tiles."""
     totals: dict[int, list[int]] = {}
     for (layer_id, _), t in _counters.items():
         vals = t.flatten().tolist()
-        acc = totals.setdefault(layer_id, [0, 0, 0, 0])
+        acc = totals.setdefault(layer_id, [0, 0, 0, 0, 0])
         for i, x in enumerate(vals):
             acc[i] += int(x)
+    with _steps_lock:
+        for layer_id, calls in _unmeasured.items():
+            totals.setdefault(layer_id, [0, 0, 0, 0, 0])[4] = calls
     return {lid: SkipSoftmaxStats(*vals) for lid, vals in sorted(totals.items())}
 
 
@@ -131,6 +154,8 @@ def counts_discarded() -> Iterator[None]:
     are per process: counts another thread makes meanwhile are undone as well.
     """
     saved = {key: t.clone() for key, t in _counters.items()}
+    with _steps_lock:
+        saved_unmeasured = collections.Counter(_unmeasured)
     try:
         yield
     finally:
@@ -139,9 +164,14 @@ def counts_discarded() -> Iterator[None]:
                 t.copy_(saved[key])
             else:
                 t.zero_()
+        with _steps_lock:
+            _unmeasured.clear()
+            _unmeasured.update(saved_unmeasured)
 
 
 def reset_skip_softmax_stats() -> None:
     """Zero all counters in place (captured graphs keep pointing at the same tensors)."""
     for t in _counters.values():
         t.zero_()
+    with _steps_lock:
+        _unmeasured.clear()

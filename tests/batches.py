@@ -33,7 +33,11 @@ class Batch:
             prefix_chunk_tokens=md.prefix_chunk_tokens, device=device,
         )
         cache = self.layer.kv_cache
-        self.layer.kv_cache = fullcg.KVCache(cache.k.to(device), cache.v.to(device))
+        if cache.k.shape == cache.v.shape:  # one allocation, V after K, as KVCache.allocate makes it
+            both = torch.stack((cache.k, cache.v)).to(device)
+            self.layer.kv_cache = fullcg.KVCache(both[0], both[1])
+        else:
+            self.layer.kv_cache = fullcg.KVCache(cache.k.to(device), cache.v.to(device))
         return dataclasses.replace(
             self, metadata=moved, q=self.q.to(device), k=self.k.to(device),
             v=self.v.to(device),

@@ -9,6 +9,7 @@ FlashInfer is missing names the install command.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 import fullcg
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig
-from fullcg.ops.impl import _registry, resolve_implementation
+from fullcg.ops.impl import _registry, fmha_v2, resolve_implementation
 
 from batches import Batch, make_batch, naive_attention, oracle
 
@@ -59,11 +60,11 @@ def on_gpu(b: Batch) -> Batch:
     return b.to(DEVICE)
 
 
-def batch(name: str, heads: str = "gqa4", **kw) -> Batch:
+def batch(name: str, heads: str = "gqa4", head_dim: int = 64, **kw) -> Batch:
     q_lens, p_lens = BATCHES[name]
     nh, nkv = HEADS[heads]
     kw.setdefault("seed", len(name))
-    return on_gpu(make_batch(q_lens, p_lens, num_heads=nh, num_kv_heads=nkv, head_dim=64, page_size=16,
+    return on_gpu(make_batch(q_lens, p_lens, num_heads=nh, num_kv_heads=nkv, head_dim=head_dim, page_size=16,
                              dtype=DTYPE, **kw))
 
 
@@ -185,8 +186,10 @@ def test_padding_rows_are_zero_with_minus_infinite_lse(name):
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", ["prefill", "decode"])
-def test_a_skip_softmax_factor_is_refused_below_sm100_and_names_the_alternatives(name):
+@pytest.mark.parametrize(("name", "return_lse"), [("decode", False), ("prefill", True)])
+def test_a_skip_softmax_factor_is_refused_below_sm100_where_flashinfer_would_ignore_it(name, return_lse):
+    """Below SM100 only FMHAv2 honours a factor, and it runs neither decode-only batches
+    nor attention over the cache that returns LSE."""
     flashinfer_impl()
     if torch.cuda.get_device_capability()[0] >= 10:
         pytest.skip("SM100+ passes the factor to FlashInfer's trtllm-gen backend")
@@ -194,7 +197,124 @@ def test_a_skip_softmax_factor_is_refused_below_sm100_and_names_the_alternatives
     cfg = config("flashinfer", prefill_scale_factor=4.0, decode_scale_factor=4.0)
     with fullcg.forward_context(b.metadata, b.layer, config=cfg):
         with pytest.raises(ValueError, match="attention_impl='triton'.*'reference'"):
+            b.layer(b.q, b.k, b.v, return_lse=return_lse)
+
+
+def needs_hopper(fn):
+    """An FMHAv2 test: its kernels run on SM90 only."""
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return pytest.mark.cuda(pytest.mark.skipif(not hopper, reason="FlashInfer's FMHAv2 kernels need an SM90 GPU")(fn))
+
+
+@pytest.fixture
+def fmha_calls(monkeypatch) -> list[str]:
+    """The FMHAv2 entry points the step called, in order."""
+    calls: list[str] = []
+    for name in ("attend_paged", "attend_contiguous"):
+        def spy(*args, _real=getattr(fmha_v2, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fmha_v2, name, spy)
+    return calls
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("name", ["prefill", "extend", "mixed"])
+def test_fmha_v2_runs_prefill_and_extend_over_the_cache_on_hopper_and_matches_the_oracle(name, heads, head_dim,
+                                                                                       fmha_calls):
+    flashinfer_impl()
+    b = batch(name, heads, head_dim)
+    with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer")):
+        out = b.layer(b.q, b.k, b.v)
+    assert fmha_calls == ["attend_paged"]
+    expected_out, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_fmha_v2_attends_over_given_kv_with_the_natural_log_lse_and_dead_padding_rows(causal, fmha_calls):
+    flashinfer_impl()
+    b = batch("prefill", head_dim=128)
+    pad = 5
+    q = torch.cat([b.q, torch.full((pad, *b.q.shape[1:]), float("nan"), device=DEVICE, dtype=DTYPE)])
+    k = torch.cat([b.k, torch.randn(pad, *b.k.shape[1:], device=DEVICE, dtype=DTYPE)])
+    v = torch.cat([b.v, torch.randn(pad, *b.v.shape[1:], device=DEVICE, dtype=DTYPE)])
+    out, lse = attend(b, "flashinfer", q=q, k=k, v=v, use_kv_cache=False, causal=causal)
+    assert fmha_calls == ["attend_contiguous"]
+    n = b.metadata.num_tokens
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])) and torch.isneginf(lse[n:]).all()
+    starts = b.metadata.query_starts
+    for r in range(b.metadata.num_requests):
+        s, e = starts[r], starts[r + 1]
+        o, l = naive_attention(b.q[s:e].cpu(), b.k[s:e].cpu(), b.v[s:e].cpu(), b.layer.scale, 0 if causal else None)
+        torch.testing.assert_close(out[s:e].double().cpu(), o, **TOL)
+        torch.testing.assert_close(lse[s:e].double().cpu(), l, **TOL)
+
+
+def _two_level_batch() -> Batch:
+    """One extend request (960 cached + 64 new tokens, head dim 128) whose first 128 keys
+    score 3 above all others (after scaling) and carry v = 0, the others v = 1: dense
+    attention gives about 0.26 everywhere, skipping every tile past the first gives 0."""
+    head_dim, q_len, p_len = 128, 64, 960
+    b = make_batch([q_len], [p_len], num_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=DTYPE,
+                   seed=5)
+    n = q_len + p_len
+    u = torch.zeros(head_dim)
+    u[0] = 1.0
+    pos = torch.arange(n)
+    k = (torch.where(pos < 128, 10.0, 7.0)[:, None, None] * u).expand(n, 2, head_dim).to(DTYPE)
+    v = (pos >= 128).float()[:, None, None].expand(n, 2, head_dim).to(DTYPE)
+    cache, md = b.layer.kv_cache, b.metadata
+    pages = md.page_table[0, pos[:p_len] // 16].long()
+    cache.k[pages, pos[:p_len] % 16] = k[:p_len]
+    cache.v[pages, pos[:p_len] % 16] = v[:p_len]
+    q = (math.sqrt(head_dim) * u).expand(q_len, 8, head_dim).to(DTYPE)
+    return on_gpu(dataclasses.replace(b, q=q.contiguous(), k=k[p_len:].contiguous(), v=v[p_len:].contiguous(),
+                                      full_k=[k], full_v=[v]))
+
+
+@needs_hopper
+def test_fmha_v2_honours_the_prefill_skip_factor_on_hopper_and_reports_its_calls_unmeasured(fmha_calls):
+    flashinfer_impl()
+    b = _two_level_batch()
+    dense, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    assert dense.min() > 0.2  # what ignoring the factor would give
+    fullcg.reset_skip_softmax_stats()
+    # threshold 128 / 1024 = 0.125 > exp(-3): every tile after the first is skipped.
+    with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer", prefill_scale_factor=128.0)):
+        out = b.layer(b.q, b.k, b.v)
+    assert fmha_calls == ["attend_paged"]
+    with fullcg.forward_context(b.metadata, b.layer, config=config("reference", prefill_scale_factor=128.0)):
+        ref = b.layer(b.q, b.k, b.v)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    assert out.float().abs().max() < 0.05
+    stats = fullcg.skip_softmax_stats()[b.layer.layer_id]
+    assert stats.unmeasured_calls == 1 and not stats.measured
+
+
+@needs_hopper
+def test_a_factor_fmha_v2_would_misapply_is_refused_on_hopper():
+    flashinfer_impl()
+    b = batch("prefill", head_dim=128)
+    with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer", prefill_scale_factor=500.0)):
+        with pytest.raises(ValueError, match="factor of at most 128"):
             b.layer(b.q, b.k, b.v)
+
+
+@needs_hopper
+def test_fmha_v2_can_be_turned_off(monkeypatch, fmha_calls):
+    impl = flashinfer_impl()
+    monkeypatch.setattr(impl, "use_fmha_v2", False)
+    b = batch("prefill", head_dim=128)
+    with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer")):
+        out = b.layer(b.q, b.k, b.v)
+    assert fmha_calls == []
+    expected_out, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
 
 
 @needs_gpu

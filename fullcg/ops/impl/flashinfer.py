@@ -9,6 +9,11 @@ What each call uses:
 - attention over given k/v (packed per request like q, or a prefix chunk packed as
   ``metadata.prefix_chunks[c]`` says): ``BatchPrefillWithRaggedKVCacheWrapper``.
 
+On Hopper (SM90), steps outside CUDA-graph capture run prefill and extend attention in
+bfloat16 through FMHAv2 instead (:mod:`fullcg.ops.impl.fmha_v2` says exactly which calls),
+which also honours a skip-softmax factor there; ``FlashInferAttention.use_fmha_v2 = False``
+turns that off.
+
 FlashInfer's LSE is base 2; it is converted to the natural log at this boundary. Rows past
 the batch's real tokens (and rows of a request with nothing to attend to, as in a prefix
 chunk it has no part of) are zeroed, their LSE set to -inf.
@@ -41,7 +46,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "attention_impl='flashinfer' needs FlashInfer: `pip install fullcg[flashinfer]` "
-        "(flashinfer-python 0.6.4); or choose attention_impl='triton' or 'reference'"
+        "(flashinfer-python 0.6.18); or choose attention_impl='triton' or 'reference'"
     ) from exc
 
 from fullcg.context import ForwardContext
@@ -49,8 +54,10 @@ from fullcg.metadata import AttentionMetadata
 from fullcg.kv_cache import KVCache
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
+from fullcg.ops.impl import fmha_v2
 from fullcg.ops.impl.base import AttentionImpl
 from fullcg.ops.kernels.save_kv import save_new_kv
+from fullcg import telemetry
 
 __all__ = ["FlashInferAttention", "WORKSPACE_BYTES", "DENSE_BACKEND"]
 
@@ -61,7 +68,8 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 #: times faster than fa3 on Hopper (measured on an H200); paged, ragged and tensor-core decode
 #: share one compiled module per dtype and head dim.
 DENSE_BACKEND = "fa2"
-#: The only FlashInfer 0.6.4 backend that honours ``skip_softmax_threshold_scale_factor``.
+#: The wrappers' backend that honours ``skip_softmax_threshold_scale_factor`` (SM100+);
+#: on SM90 FMHAv2 does (:mod:`fullcg.ops.impl.fmha_v2`).
 SKIP_SOFTMAX_BACKEND = "trtllm-gen"
 
 _LN2 = math.log(2.0)
@@ -107,6 +115,17 @@ class _Indices:
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor | None = None
     last_page_len: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class _FmhaBatch:
+    """What FMHAv2 calls of one batch share: built once per metadata object."""
+
+    metadata: weakref.ReferenceType[AttentionMetadata]
+    cu_kv: torch.Tensor  # int32 [R + 1] cumulative prefix + new tokens
+    max_q_len: int
+    max_kv_len: int
+    tables: dict[int, torch.Tensor]  # by V's page offset: int32 [R, 2, M]
 
 
 def _capturing() -> bool:
@@ -182,6 +201,8 @@ class FlashInferAttention(AttentionImpl):
 
     name = "flashinfer"
     capture_safe = True
+    #: Run eager prefill/extend attention through FMHAv2 on SM90 (see the module docstring).
+    use_fmha_v2 = True
 
     #: New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe).
     save_kv = staticmethod(save_new_kv)
@@ -194,6 +215,8 @@ class FlashInferAttention(AttentionImpl):
         self._wrappers: dict[tuple, object] = {}
         self._plans: dict[tuple, _Plan] = {}
         self._known: dict[_Shape, set[_Kind]] = {}
+        self._fmha_batch: _FmhaBatch | None = None
+        self._fmha_workspaces: dict[torch.device, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ planning
 
@@ -368,8 +391,9 @@ class FlashInferAttention(AttentionImpl):
     # ------------------------------------------------------------------ skip-softmax
 
     @staticmethod
-    def _skip_factor(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> float | None:
+    def _skip_factor(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None, fmha: bool) -> float | None:
         """The skip-softmax factor to pass to FlashInfer, or None for dense attention.
+        ``fmha``: the call runs on FMHAv2.
 
         Refuses, rather than ignores, a factor FlashInfer would not honour.
         """
@@ -379,15 +403,19 @@ class FlashInferAttention(AttentionImpl):
             return None
         where = f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='flashinfer'"
         alternative = "use attention_impl='triton' (skip-softmax on any GPU) or 'reference'"
-        major = torch.cuda.get_device_capability(call.q.device)[0] if call.q.is_cuda else 0
-        if major < 10:
-            raise ValueError(
-                f"{where}: FlashInfer honours a skip-softmax factor only with its trtllm-gen backend on SM100+ "
-                f"(Blackwell); this GPU is SM{major}x, where the factor would be silently ignored. {alternative}, "
-                "or unset the skip-softmax factors"
-            )
         if cache is None:
             raise ValueError(f"{where}: skip-softmax is supported for attention over the KV cache only; {alternative}")
+        major = torch.cuda.get_device_capability(call.q.device)[0] if call.q.is_cuda else 0
+        if fmha:
+            for factor in factors:
+                fmha_v2.refuse_factor(factor, call.q.shape[2], where)
+        elif major < 10:
+            raise ValueError(
+                f"{where}: FlashInfer honours a skip-softmax factor only through FMHAv2 on SM90 (bfloat16 batches "
+                "with a prefill or extend request, over a cache made by KVCache.allocate, no LSE, outside CUDA-graph "
+                f"capture) and its trtllm-gen backend on SM100+; this call is not one of those (SM{major}x), and the "
+                f"factor would be silently ignored. {alternative}, or unset the skip-softmax factors"
+            )
         if len(factors) > 1 or any(call.scale_factor_for(m) is None for m in modes):
             raise ValueError(
                 f"{where}: a mixed batch needs the prefill factor for prefill/extend requests and the decode factor "
@@ -421,7 +449,6 @@ class FlashInferAttention(AttentionImpl):
             raise TypeError(f"{where}: the KV cache holds {cache.k.dtype} but q is {q.dtype}; "
                             "allocate the cache in q's dtype")
         md = ctx.metadata
-        skip_factor = self._skip_factor(call, ctx, cache)
         shape = _Shape(q.device, call.num_q_heads, call.num_kv_heads, q.shape[2], call.v.shape[2], q.dtype,
                        float(call.scale))
         if cache is not None:
@@ -430,6 +457,14 @@ class FlashInferAttention(AttentionImpl):
             kind = ("chunk", call.prefix_chunk)
         else:
             kind = ("ragged", bool(call.causal))
+        fmha = self._fmha_v2_serves(call, md, shape, kind, cache)
+        skip_factor = self._skip_factor(call, ctx, cache, fmha)
+        if skip_factor is not None:
+            telemetry.count_unmeasured(call.layer_id)
+        if fmha:
+            # Known, so that plan(ctx) prepares this kind for captured steps too.
+            self._known.setdefault(shape, set()).add(kind)
+            return self._forward_fmha_v2(call, md, kind, cache, skip_factor)
         plan = self._planned(call, ctx, shape, kind, cache, skip_factor)
 
         q = q.contiguous()
@@ -457,15 +492,80 @@ class FlashInferAttention(AttentionImpl):
                 qs, call.k.contiguous(), call.v.contiguous(), out=ts, lse=ls, return_lse=lse is not None
             )
 
-        dead = self._dead_rows(call, md, q.shape[0], q.device)
+        if lse is not None:
+            lse.mul_(_LN2)  # FlashInfer's log2 -> natural log
+        return self._finish(call, md, target, lse)
+
+    def _finish(
+        self, call: AttentionCall, md: AttentionMetadata, target: torch.Tensor, lse: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Zero the dead rows (LSE -inf) and move the result into ``call.out``."""
+        dead = self._dead_rows(call, md, target.shape[0], target.device)
         target.masked_fill_(dead[:, None, None], 0)
-        if target is not out:
-            out.copy_(target)
+        if target is not call.out:
+            call.out.copy_(target)
         if lse is None:
             return None
-        lse.mul_(_LN2)  # FlashInfer's log2 -> natural log
         lse.masked_fill_(dead[:, None], float("-inf"))
         return lse
+
+    # ------------------------------------------------------------------ FMHAv2
+
+    def _fmha_v2_serves(
+        self, call: AttentionCall, md: AttentionMetadata, shape: _Shape, kind: _Kind, cache: KVCache | None
+    ) -> bool:
+        """Whether this call runs on FMHAv2 (the calls :mod:`fullcg.ops.impl.fmha_v2` lists)."""
+        if not self.use_fmha_v2 or shape.dtype != torch.bfloat16 or _capturing():
+            return False
+        if shape.head_dim != shape.v_head_dim or shape.head_dim not in fmha_v2.HEAD_DIMS:
+            return False
+        if shape.num_qo_heads % shape.num_kv_heads or not fmha_v2.available(shape.device.index or 0):
+            return False
+        if kind[0] == "cache":
+            return (
+                not md.is_decode_only and not call.return_lse
+                and fmha_v2.page_size_fits(md.page_size, shape.head_dim) and fmha_v2.v_offset_pages(cache) is not None
+            )
+        if kind[0] == "ragged":
+            rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
+            return md.num_tokens <= rows <= call.q.shape[0]
+        return False
+
+    def _fmha_batch_of(self, md: AttentionMetadata) -> _FmhaBatch:
+        batch = self._fmha_batch
+        if batch is None or batch.metadata() is not md:
+            kv_lens = [q + p for q, p in zip(md.query_lens, md.prefix_lens)]
+            cu_kv = torch.zeros(md.num_requests + 1, dtype=_INT, device=md.seq_lens.device)
+            torch.cumsum(md.seq_lens, 0, out=cu_kv[1:])
+            batch = self._fmha_batch = _FmhaBatch(weakref.ref(md), cu_kv, max(md.query_lens), max(kv_lens), {})
+        return batch
+
+    def _forward_fmha_v2(
+        self, call: AttentionCall, md: AttentionMetadata, kind: _Kind, cache: KVCache | None, factor: float | None
+    ) -> torch.Tensor | None:
+        q = call.q.contiguous()
+        target = call.out if call.out.is_contiguous() else torch.empty_like(call.out)
+        ws = self._fmha_workspaces.get(q.device)
+        if ws is None:
+            ws = self._fmha_workspaces[q.device] = torch.zeros(fmha_v2.WORKSPACE_BYTES, dtype=torch.uint8,
+                                                               device=q.device)
+        batch = self._fmha_batch_of(md)
+        cu_q = md.query_start_loc
+        if kind[0] == "cache":
+            offset = fmha_v2.v_offset_pages(cache)
+            tables = batch.tables.get(offset)
+            if tables is None:
+                tables = batch.tables[offset] = fmha_v2.paged_tables(md.page_table, offset)
+            fmha_v2.attend_paged(q, target, cache, tables, cu_q, batch.cu_kv, batch.max_q_len, batch.max_kv_len,
+                                 float(call.scale), factor, ws)
+            lse = None
+        else:
+            rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
+            lse = fmha_v2.attend_contiguous(
+                q, call.k[:rows].contiguous(), call.v[:rows].contiguous(), target, cu_q, batch.max_q_len,
+                bool(call.causal), float(call.scale), call.return_lse, ws,
+            )
+        return self._finish(call, md, target, lse)
 
     @staticmethod
     def _planned_rows(

@@ -1,0 +1,174 @@
+"""FlashInfer's FMHAv2 prefill (TensorRT-LLM's warp-specialised Hopper kernels) for the
+``flashinfer`` implementation.
+
+It serves, on SM90 (Hopper) in bfloat16, steps that run outside CUDA-graph capture:
+
+- attention over the KV cache of a batch with at least one prefill or extend request,
+  without LSE (``Q_PAGED_KV_NHD``; FMHAv2 saves softmax statistics only for contiguous
+  k/v). The kernel addresses V pages from K's base pointer, so the cache's ``k`` and ``v``
+  must be one allocation with V a whole number of pages after K, as
+  :meth:`fullcg.KVCache.allocate` makes them; the page size must be a power of two that
+  divides, or is a multiple of, the kernel's KV tile;
+- attention over given k/v packed like q (``CONTIGUOUS_Q_KV``), with its LSE.
+
+Everything else (decode-only batches, LSE over the cache, prefix chunks, fp16, captured
+steps) stays on the FlashAttention-2 wrappers. Capture is left out because FMHAv2 bakes
+the batch size, the longest query and q's row count into its launch.
+
+Skip-softmax follows fullcg's rule, ``threshold = factor / kv_len`` per request, with two
+differences of granularity: a tile is 64 query rows of one head by one KV tile, decided by
+a warp-group vote, and the first KV tile of a request is never skipped. FMHAv2 also keeps
+skipping where ``factor >= kv_len`` (fullcg turns skipping off there); a request that short
+fits one KV tile, never skipped, only while ``factor <= kv_tile(head_dim)``, so larger
+factors are refused. FMHAv2 reports no skipped-tile counts.
+
+The softmax statistics come back as ``float32 [T, Hq, 2]``: the row maximum of the raw
+(unscaled) ``q . k`` divided by ``sqrt(head_dim)``, and the sum of ``exp(scale * (s - max))``;
+:func:`stats_to_lse` turns them into fullcg's natural-log LSE ``[T, Hq]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from fullcg.kv_cache import KVCache
+
+__all__ = [
+    "HEAD_DIMS", "available", "kv_tile", "page_size_fits", "v_offset_pages", "paged_tables", "stats_to_lse",
+    "refuse_factor", "attend_paged", "attend_contiguous",
+]
+
+#: Head dims fullcg runs through FMHAv2 (q and v alike; FMHAv2 takes more on SM90).
+HEAD_DIMS = (64, 128, 256)
+#: The workspace FMHAv2 needs: a tile counter it zeroes before each launch.
+WORKSPACE_BYTES = 4096
+_INT = torch.int32
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_index: int) -> bool:
+    """FMHAv2's warp-specialised kernels exist for this GPU (SM90) in the installed FlashInfer."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        from flashinfer.prefill import trtllm_fmha_v2_prefill  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kv_tile(head_dim: int) -> int:
+    """Keys per KV tile of FMHAv2's SM90 kernels for ``head_dim``."""
+    return 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+
+
+def page_size_fits(page_size: int, head_dim: int) -> bool:
+    """FMHAv2 finds pages by shifting (a power of two) and loads whole tiles of pages."""
+    tile = kv_tile(head_dim)
+    return page_size & (page_size - 1) == 0 and (tile % page_size == 0 or page_size % tile == 0)
+
+
+def v_offset_pages(cache: KVCache) -> int | None:
+    """How many pages after K's first page V's first page lies, when FMHAv2 can address V
+    from K's pointer (one allocation, V after K, a whole number of pages apart); else None."""
+    k, v = cache.k, cache.v
+    if k.shape != v.shape or not (k.is_contiguous() and v.is_contiguous()):
+        return None
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None
+    page_bytes = k[0].numel() * k.element_size()
+    delta = v.data_ptr() - k.data_ptr()
+    if delta <= 0 or delta % page_bytes:
+        return None
+    pages = delta // page_bytes
+    if pages + cache.num_pages > torch.iinfo(torch.int32).max:
+        return None
+    return pages
+
+
+def paged_tables(page_table: torch.Tensor, v_offset: int) -> torch.Tensor:
+    """``int32 [R, 2, M]`` page ids per request: K's pages, then V's (the same pages shifted
+    by ``v_offset``), as FMHAv2 takes them for separate k and v caches."""
+    pt = page_table.to(_INT)
+    return torch.stack((pt, pt + v_offset), dim=1).contiguous()
+
+
+def stats_to_lse(stats: torch.Tensor, scale: float, head_dim: int) -> torch.Tensor:
+    """FMHAv2's softmax statistics ``[T, H, 2]`` (max of raw scores over ``sqrt(head_dim)``,
+    sum of ``exp(scale * (s - max))``) as the natural-log LSE of ``scale * q . k``, ``[T, H]``."""
+    return stats[..., 0] * (scale * math.sqrt(head_dim)) + torch.log(stats[..., 1])
+
+
+def refuse_factor(factor: float, head_dim: int, where: str) -> None:
+    """Raise when FMHAv2 would skip tiles that fullcg's rule keeps (see the module docstring)."""
+    if factor > kv_tile(head_dim):
+        raise ValueError(
+            f"{where}: FlashInfer's FMHAv2 applies the skip-softmax threshold factor / kv_len even where it is "
+            f"above 1, so with a factor above {kv_tile(head_dim)} (its KV tile at head dim {head_dim}) it would skip "
+            f"tiles of requests shorter than the factor, which fullcg keeps dense; got factor {factor}. Use a "
+            f"factor of at most {kv_tile(head_dim)}, or attention_impl='triton'"
+        )
+
+
+def attend_paged(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    cache: KVCache,
+    tables: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    scale: float,
+    factor: float | None,
+    workspace: torch.Tensor,
+) -> None:
+    """Causal attention of each request's new tokens over its prefix and themselves in the
+    cache, into ``out`` (rows past ``cu_q[-1]`` are left as they were)."""
+    from flashinfer.prefill import trtllm_fmha_v2_prefill
+
+    trtllm_fmha_v2_prefill(
+        (q, (cache.k, cache.v)), "Q_PAGED_KV_NHD", workspace_buffer=workspace, seq_lens=cu_kv[1:],  # not read
+        max_q_len=max_q_len, max_kv_len=max_kv_len, bmm1_scale=scale, bmm2_scale=1.0,
+        batch_size=tables.shape[0], cum_seq_lens_q=cu_q, cum_seq_lens_kv=cu_kv, block_tables=tables, out=out,
+        mask_mode="causal", skip_softmax_threshold_scale_factor=factor or 0.0,
+    )
+
+
+def attend_contiguous(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_q: torch.Tensor,
+    max_q_len: int,
+    causal: bool,
+    scale: float,
+    want_lse: bool,
+    workspace: torch.Tensor,
+) -> torch.Tensor | None:
+    """Attention of each request's rows of q over the same rows of k/v, into ``out``;
+    the natural-log LSE ``[T, Hq]`` iff ``want_lse`` (rows past ``cu_q[-1]`` undefined)."""
+    from flashinfer.prefill import trtllm_fmha_v2_prefill
+
+    n, rows = k.shape[0], q.shape[0]
+    # FMHAv2 bounds its k/v loads by q's row count: k/v rows past it would read as zeros,
+    # and its loads may reach past the k/v buffer up to that count (masked, but read).
+    if n > rows:
+        raise ValueError(f"FMHAv2: {n} rows of k/v for {rows} rows of q")
+    kv = k.new_empty((rows, 2, k.shape[1], k.shape[2]))
+    kv[:n, 0].copy_(k)
+    kv[:n, 1].copy_(v)
+    # seq_lens is not read by the kernel (it takes lengths from the cumulative ones).
+    result = trtllm_fmha_v2_prefill(
+        (q, kv), "CONTIGUOUS_Q_KV", workspace_buffer=workspace, seq_lens=cu_q[1:],
+        max_q_len=max_q_len, max_kv_len=max_q_len, bmm1_scale=scale, bmm2_scale=1.0, batch_size=cu_q.shape[0] - 1,
+        cum_seq_lens_q=cu_q, cum_seq_lens_kv=cu_q, out=out, mask_mode="causal" if causal else "padding",
+        save_softmax_stats=want_lse,
+    )
+    if not want_lse:
+        return None
+    return stats_to_lse(result[1], scale, q.shape[2])
