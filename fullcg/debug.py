@@ -63,6 +63,22 @@ class GraphDump:
             self.write(relpath, gm.print_readable(print_output=False))
 
 
+def _implementation_line(name: str, device: str) -> str:
+    """The configured implementation and, for ``auto``, what it resolves to on ``device``."""
+    if name != "auto":
+        return name
+    from fullcg.ops.impl import resolve_implementation
+
+    try:
+        impl = resolve_implementation("auto", torch.device(device))
+    except Exception as exc:  # an implementation that cannot be imported: the report still gets written
+        return f"auto (unresolved: {exc})"
+    if impl.name == "auto":
+        return ("auto (per call: flashinfer, FMHAv2 for eager bf16 prefill/extend on SM90; triton for the calls "
+                "FlashInfer would refuse, such as skip-softmax decode below SM100)")
+    return f"auto ({impl.name})"
+
+
 def split_report(
     config: FullCGConfig,
     device: str,
@@ -86,7 +102,7 @@ def split_report(
         f"graph mode: {config.graph_mode}",
         f"device: {device} ({'CUDA graphs captured' if device.startswith('cuda') and config.graph_mode is not GraphMode.NONE else 'no CUDA graph capture'})",
         f"compiler: {config.compiler}",
-        f"attention implementation: {config.attention_impl}",
+        f"attention implementation: {_implementation_line(config.attention_impl, device)}",
         f"skip-softmax factors: prefill={config.skip_softmax.prefill_scale_factor}, "
         f"decode={config.skip_softmax.decode_scale_factor}",
         f"capture sizes ({len(sizes)}): {list(sizes)}",

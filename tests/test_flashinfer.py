@@ -419,3 +419,22 @@ def test_capturing_an_unplanned_batch_fails_with_the_fix():
         with pytest.raises(RuntimeError, match="plan"):
             with torch.cuda.graph(graph):
                 b.layer(q, k, v)
+
+
+@needs_hopper
+def test_auto_runs_skip_softmax_prefill_on_fmha_v2_and_what_flashinfer_would_refuse_on_triton(fmha_calls):
+    """Hopper, both factors set (and different): a prefill batch runs on FMHAv2, a
+    decode-only batch (no skip-softmax decode in FlashInfer on SM90) and a mixed one (one
+    factor per FlashInfer call) on the Triton kernels; all agree with the reference."""
+    pytest.importorskip("triton")
+    flashinfer_impl()
+    assert resolve_implementation("auto", DEVICE, 128, 128).name == "auto"
+    factors = dict(prefill_scale_factor=8.0, decode_scale_factor=4.0)
+    for name in ("prefill", "decode", "mixed"):
+        b = batch(name, head_dim=128)
+        outs = []
+        for impl in ("auto", "reference"):
+            with fullcg.forward_context(b.metadata, b.layer, config=config(impl, **factors)):
+                outs.append(b.layer(b.q, b.k, b.v))
+        torch.testing.assert_close(outs[0].float(), outs[1].float(), **TOL)
+    assert fmha_calls == ["attend_paged"]

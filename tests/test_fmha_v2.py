@@ -62,11 +62,11 @@ def test_page_sizes_must_be_powers_of_two_that_tile_the_kv_tile(page_size, head_
 
 
 def test_a_factor_above_the_kv_tile_is_refused_because_fmha_v2_would_skip_short_requests():
-    fmha_v2.refuse_factor(128.0, 128, "here")
+    assert fmha_v2.factor_refusal(128.0, 128, "here") is None
     with pytest.raises(ValueError, match="at most 128"):
-        fmha_v2.refuse_factor(129.0, 128, "here")
+        raise fmha_v2.factor_refusal(129.0, 128, "here")
     with pytest.raises(ValueError, match="at most 64"):
-        fmha_v2.refuse_factor(100.0, 256, "here")
+        raise fmha_v2.factor_refusal(100.0, 256, "here")
 
 
 def test_skip_softmax_calls_that_count_no_tiles_are_reported_unmeasured():

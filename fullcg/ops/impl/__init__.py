@@ -63,15 +63,23 @@ def resolve_implementation(
     name: str, device: torch.device, head_dim: int | None = None, v_head_dim: int | None = None
 ) -> AttentionImpl:
     """The implementation called ``name``; ``auto`` picks the best one for ``device`` that
-    takes these head dims (any, when not given)."""
+    takes these head dims (any, when not given): on CUDA with FlashInfer and Triton both
+    installed, :class:`fullcg.ops.impl.auto.AutoAttention`, which picks per call."""
     if name == "auto":
         names = _auto_names(torch.device(device).type)
-        for candidate in names[:-1]:
-            impl = _load(candidate)
-            if head_dim is None or impl.supports(head_dim, head_dim if v_head_dim is None else v_head_dim):
-                return impl
-        name = names[-1]
+        found = [impl for impl in map(_load, names[:-1])
+                 if head_dim is None or impl.supports(head_dim, head_dim if v_head_dim is None else v_head_dim)]
+        if len(found) == 2:
+            return _auto_pair(*found)
+        return found[0] if found else _load(names[-1])
     return _load(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_pair(flashinfer: AttentionImpl, triton: AttentionImpl) -> AttentionImpl:
+    from fullcg.ops.impl.auto import AutoAttention
+
+    return AutoAttention(flashinfer, triton)
 
 
 def _load(name: str) -> AttentionImpl:

@@ -66,6 +66,13 @@ class AttentionImpl:
         time). The default, None, runs every call through :meth:`save_kv` and :meth:`forward`."""
         return None
 
+    def serves(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> bool:
+        """Whether :meth:`forward` computes ``call`` as asked rather than refusing it (an
+        unsupported dtype, a skip-softmax factor its kernels would not honour, ...); ``cache``
+        as for :meth:`forward`. ``attention_impl="auto"`` runs another implementation where
+        this is False. The default: every call."""
+        return True
+
     def supports(self, head_dim: int, v_head_dim: int) -> bool:
         """Whether the kernels take these head dims; ``attention_impl="auto"`` passes over
         an implementation that does not. The default takes any."""

@@ -391,41 +391,58 @@ class FlashInferAttention(AttentionImpl):
     # ------------------------------------------------------------------ skip-softmax
 
     @staticmethod
-    def _skip_factor(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None, fmha: bool) -> float | None:
-        """The skip-softmax factor to pass to FlashInfer, or None for dense attention.
-        ``fmha``: the call runs on FMHAv2.
-
-        Refuses, rather than ignores, a factor FlashInfer would not honour.
-        """
+    def _skip_factor(
+        call: AttentionCall, ctx: ForwardContext, cache: KVCache | None, fmha: bool
+    ) -> tuple[float | None, Exception | None]:
+        """The skip-softmax factor to pass to FlashInfer (None: dense attention), or the
+        error that refuses, rather than ignores, a factor FlashInfer would not honour.
+        ``fmha``: the call runs on FMHAv2."""
         modes = ctx.metadata.forward_modes
         factors = {call.scale_factor_for(m) for m in modes} - {None}
         if not factors:
-            return None
+            return None, None
         where = f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='flashinfer'"
         alternative = "use attention_impl='triton' (skip-softmax on any GPU) or 'reference'"
         if cache is None:
-            raise ValueError(f"{where}: skip-softmax is supported for attention over the KV cache only; {alternative}")
+            return None, ValueError(
+                f"{where}: skip-softmax is supported for attention over the KV cache only; {alternative}")
         major = torch.cuda.get_device_capability(call.q.device)[0] if call.q.is_cuda else 0
         if fmha:
             for factor in factors:
-                fmha_v2.refuse_factor(factor, call.q.shape[2], where)
+                refusal = fmha_v2.factor_refusal(factor, call.q.shape[2], where)
+                if refusal is not None:
+                    return None, refusal
         elif major < 10:
-            raise ValueError(
+            return None, ValueError(
                 f"{where}: FlashInfer honours a skip-softmax factor only through FMHAv2 on SM90 (bfloat16 batches "
                 "with a prefill or extend request, over a cache made by KVCache.allocate, no LSE, outside CUDA-graph "
                 f"capture) and its trtllm-gen backend on SM100+; this call is not one of those (SM{major}x), and the "
                 f"factor would be silently ignored. {alternative}, or unset the skip-softmax factors"
             )
         if len(factors) > 1 or any(call.scale_factor_for(m) is None for m in modes):
-            raise ValueError(
+            return None, ValueError(
                 f"{where}: a mixed batch needs the prefill factor for prefill/extend requests and the decode factor "
                 f"for decode ones, but FlashInfer takes one factor per call; {alternative}, or run decode and "
                 "prefill in separate steps"
             )
         if _capturing():
-            raise RuntimeError(f"{where}: skip-softmax with the trtllm-gen backend is not CUDA-graph safe here; "
-                               "run these steps uncaptured (graph_mode='none' or 'piecewise')")
-        return factors.pop()
+            return None, RuntimeError(
+                f"{where}: skip-softmax with the trtllm-gen backend is not CUDA-graph safe here; run these steps "
+                "uncaptured (graph_mode='none' or 'piecewise')")
+        return factors.pop(), None
+
+    def serves(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> bool:
+        """Whether :meth:`forward` computes ``call`` as asked instead of refusing it: a CUDA
+        call in fp16/bf16 of head dims FlashInfer takes, and a skip-softmax factor only where
+        FlashInfer honours it (``cache``: the layer's cache when the call attends over it)."""
+        q = call.q
+        if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or not self.supports(q.shape[2], call.v.shape[2]):
+            return False
+        if cache is not None and cache.k.dtype != q.dtype:
+            return False
+        shape, kind = self._shape_and_kind(call, cache)
+        fmha = self._fmha_v2_serves(call, ctx.metadata, shape, kind, cache)
+        return self._skip_factor(call, ctx, cache, fmha)[1] is None
 
     # ------------------------------------------------------------------ running
 
@@ -449,16 +466,11 @@ class FlashInferAttention(AttentionImpl):
             raise TypeError(f"{where}: the KV cache holds {cache.k.dtype} but q is {q.dtype}; "
                             "allocate the cache in q's dtype")
         md = ctx.metadata
-        shape = _Shape(q.device, call.num_q_heads, call.num_kv_heads, q.shape[2], call.v.shape[2], q.dtype,
-                       float(call.scale))
-        if cache is not None:
-            kind: _Kind = ("cache",)
-        elif call.prefix_chunk is not None:
-            kind = ("chunk", call.prefix_chunk)
-        else:
-            kind = ("ragged", bool(call.causal))
+        shape, kind = self._shape_and_kind(call, cache)
         fmha = self._fmha_v2_serves(call, md, shape, kind, cache)
-        skip_factor = self._skip_factor(call, ctx, cache, fmha)
+        skip_factor, refusal = self._skip_factor(call, ctx, cache, fmha)
+        if refusal is not None:
+            raise refusal
         if skip_factor is not None:
             telemetry.count_unmeasured(call.layer_id)
         if fmha:
@@ -495,6 +507,17 @@ class FlashInferAttention(AttentionImpl):
         if lse is not None:
             lse.mul_(_LN2)  # FlashInfer's log2 -> natural log
         return self._finish(call, md, target, lse)
+
+    @staticmethod
+    def _shape_and_kind(call: AttentionCall, cache: KVCache | None) -> tuple[_Shape, _Kind]:
+        q = call.q
+        shape = _Shape(q.device, call.num_q_heads, call.num_kv_heads, q.shape[2], call.v.shape[2], q.dtype,
+                       float(call.scale))
+        if cache is not None:
+            return shape, ("cache",)
+        if call.prefix_chunk is not None:
+            return shape, ("chunk", call.prefix_chunk)
+        return shape, ("ragged", bool(call.causal))
 
     def _finish(
         self, call: AttentionCall, md: AttentionMetadata, target: torch.Tensor, lse: torch.Tensor | None

@@ -38,7 +38,7 @@ from fullcg.kv_cache import KVCache
 
 __all__ = [
     "HEAD_DIMS", "available", "kv_tile", "page_size_fits", "v_offset_pages", "paged_tables", "stats_to_lse",
-    "refuse_factor", "attend_paged", "attend_contiguous",
+    "factor_refusal", "attend_paged", "attend_contiguous",
 ]
 
 #: Head dims fullcg runs through FMHAv2 (q and v alike; FMHAv2 takes more on SM90).
@@ -102,15 +102,17 @@ def stats_to_lse(stats: torch.Tensor, scale: float, head_dim: int) -> torch.Tens
     return stats[..., 0] * (scale * math.sqrt(head_dim)) + torch.log(stats[..., 1])
 
 
-def refuse_factor(factor: float, head_dim: int, where: str) -> None:
-    """Raise when FMHAv2 would skip tiles that fullcg's rule keeps (see the module docstring)."""
-    if factor > kv_tile(head_dim):
-        raise ValueError(
-            f"{where}: FlashInfer's FMHAv2 applies the skip-softmax threshold factor / kv_len even where it is "
-            f"above 1, so with a factor above {kv_tile(head_dim)} (its KV tile at head dim {head_dim}) it would skip "
-            f"tiles of requests shorter than the factor, which fullcg keeps dense; got factor {factor}. Use a "
-            f"factor of at most {kv_tile(head_dim)}, or attention_impl='triton'"
-        )
+def factor_refusal(factor: float, head_dim: int, where: str) -> ValueError | None:
+    """The error for a factor with which FMHAv2 would skip tiles that fullcg's rule keeps
+    (see the module docstring), or None."""
+    if factor <= kv_tile(head_dim):
+        return None
+    return ValueError(
+        f"{where}: FlashInfer's FMHAv2 applies the skip-softmax threshold factor / kv_len even where it is "
+        f"above 1, so with a factor above {kv_tile(head_dim)} (its KV tile at head dim {head_dim}) it would skip "
+        f"tiles of requests shorter than the factor, which fullcg keeps dense; got factor {factor}. Use a "
+        f"factor of at most {kv_tile(head_dim)}, or attention_impl='triton'"
+    )
 
 
 def attend_paged(

@@ -1,0 +1,63 @@
+"""``attention_impl="auto"`` on CUDA with FlashInfer and Triton both installed: each call on
+the faster implementation that computes it as asked.
+
+FlashInfer runs every call it can: FA2 for decode and captured steps, FMHAv2 for eager
+prefill and extend on Hopper (skip-softmax prefill there too). fullcg's Triton kernels run
+the calls FlashInfer would refuse rather than compute: skip-softmax decode below SM100
+(FlashInfer has no skip-softmax decode on Hopper), a mixed batch whose prefill and decode
+factors differ, skip-softmax under CUDA-graph capture, fp32, head dims FlashInfer lacks.
+
+The choice depends only on the call, the batch and the config, never on timing, so a
+step's calls all make it alike, and a captured graph replays what was chosen at capture:
+under capture the choice for a skip-softmax call is Triton whatever the batch kind, since
+FlashInfer honours no factor there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fullcg.context import ForwardContext
+from fullcg.kv_cache import KVCache
+from fullcg.ops.call import AttentionCall
+from fullcg.ops.impl.base import AttentionImpl, StepPlan
+
+__all__ = ["AutoAttention"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class AutoAttention(AttentionImpl):
+    """FlashInfer where it computes the call as asked, fullcg's Triton kernels elsewhere."""
+
+    name = "auto"
+
+    def __init__(self, flashinfer: AttentionImpl, triton: AttentionImpl) -> None:
+        self.flashinfer = flashinfer
+        self.triton = triton
+        self.capture_safe = flashinfer.capture_safe and triton.capture_safe
+
+    def choose(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> AttentionImpl:
+        """The implementation that runs ``call`` (``cache``: the layer's cache, when it has one)."""
+        skip = ctx.config.skip_softmax
+        if skip.prefill_scale_factor is None and skip.decode_scale_factor is None and call.q.dtype in _HALF:
+            return self.flashinfer  # dense half-precision calls: the common case, decided without probing
+        attends_cache = cache if call.use_kv_cache else None
+        return self.flashinfer if self.flashinfer.serves(call, ctx, attends_cache) else self.triton
+
+    def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
+        # The same implementation saves and attends: one may leave saving to its forward kernel.
+        self.choose(call, ctx, cache).save_kv(call, ctx, cache)
+
+    def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
+        return self.choose(call, ctx, cache).forward(call, ctx, cache)
+
+    def step_plan(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> StepPlan | None:
+        return self.choose(call, ctx, cache).step_plan(call, ctx, cache)
+
+    def supports(self, head_dim: int, v_head_dim: int) -> bool:
+        return self.flashinfer.supports(head_dim, v_head_dim) or self.triton.supports(head_dim, v_head_dim)
+
+    def plan(self, ctx: ForwardContext) -> None:
+        self.flashinfer.plan(ctx)
+        self.triton.plan(ctx)

@@ -1,0 +1,82 @@
+"""``attention_impl="auto"`` with two implementations (FlashInfer and Triton on CUDA) runs
+each call on the first when it computes the call as asked, on the second otherwise, and
+the same one saves and attends. Stand-in implementations record what ran, so the rule is
+pinned down without a GPU; ``test_flashinfer.py`` runs it with the real ones on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fullcg
+from fullcg.config import FullCGConfig, SkipSoftmaxConfig
+from fullcg.ops.impl.auto import AutoAttention
+from fullcg.ops.impl.base import AttentionImpl
+
+from batches import make_batch
+
+
+class Recording(AttentionImpl):
+    def __init__(self, name: str, serves: bool = True, capture_safe: bool = True) -> None:
+        self.name, self._serves, self.capture_safe = name, serves, capture_safe
+        self.ran: list[str] = []
+
+    def serves(self, call, ctx, cache) -> bool:
+        self.ran.append("serves")
+        return self._serves
+
+    def save_kv(self, call, ctx, cache) -> None:
+        self.ran.append("save_kv")
+
+    def forward(self, call, ctx, cache):
+        self.ran.append("forward")
+        call.out.zero_()
+        return torch.zeros(call.q.shape[:2]) if call.return_lse else None
+
+    def step_plan(self, call, ctx, cache):
+        self.ran.append("step_plan")
+        return None
+
+    def plan(self, ctx) -> None:
+        self.ran.append("plan")
+
+
+def run(auto: AutoAttention, dtype: torch.dtype, **factors) -> None:
+    b = make_batch([3, 1], [0, 5], dtype=dtype)
+    config = FullCGConfig(skip_softmax=SkipSoftmaxConfig(**factors))
+    with torch.inference_mode(), fullcg.forward_context(b.metadata, b.layer, config=config) as ctx:
+        cache = b.layer.kv_cache
+        call = type("Call", (), {"q": b.q, "out": torch.empty_like(b.q), "use_kv_cache": True, "return_lse": False})()
+        auto.save_kv(call, ctx, cache)
+        auto.forward(call, ctx, cache)
+        auto.step_plan(call, ctx, cache)
+        auto.plan(ctx)
+
+
+def test_dense_half_precision_calls_run_on_the_first_without_asking_it():
+    first, second = Recording("flashinfer", serves=False), Recording("triton")
+    run(AutoAttention(first, second), torch.bfloat16)
+    assert first.ran == ["save_kv", "forward", "step_plan", "plan"]
+    assert second.ran == ["plan"]
+
+
+@pytest.mark.parametrize("serves", [True, False])
+def test_skip_softmax_calls_run_where_the_first_would_honour_the_factor_else_on_the_second(serves):
+    first, second = Recording("flashinfer", serves=serves), Recording("triton")
+    run(AutoAttention(first, second), torch.bfloat16, decode_scale_factor=4.0)
+    chosen, other = (first, second) if serves else (second, first)
+    assert [step for step in chosen.ran if step != "serves"] == ["save_kv", "forward", "step_plan", "plan"]
+    assert [step for step in other.ran if step != "serves"] == ["plan"]
+    assert first.ran.count("serves") == 3  # asked for each of save_kv, forward and step_plan
+
+
+def test_float32_calls_ask_the_first_even_without_factors():
+    first, second = Recording("flashinfer", serves=False), Recording("triton")
+    run(AutoAttention(first, second), torch.float32)
+    assert "forward" in second.ran and "forward" not in first.ran
+
+
+def test_auto_captures_full_graphs_only_when_both_can_be_captured():
+    assert AutoAttention(Recording("a"), Recording("b")).capture_safe
+    assert not AutoAttention(Recording("a"), Recording("b", capture_safe=False)).capture_safe
