@@ -297,11 +297,11 @@ def test_fmha_v2_honours_the_prefill_skip_factor_on_hopper_and_reports_its_calls
 
 
 @needs_hopper
-def test_a_factor_fmha_v2_would_misapply_is_refused_on_hopper():
+def test_a_factor_fmha_v2_would_misapply_to_a_short_request_is_refused_on_hopper():
     flashinfer_impl()
-    b = batch("prefill", head_dim=128)
+    b = on_gpu(make_batch([150], [0], num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=DTYPE))
     with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer", prefill_scale_factor=500.0)):
-        with pytest.raises(ValueError, match="factor of at most 128"):
+        with pytest.raises(ValueError, match="request 0 has 150 keys"):
             b.layer(b.q, b.k, b.v)
 
 

@@ -61,12 +61,15 @@ def test_page_sizes_must_be_powers_of_two_that_tile_the_kv_tile(page_size, head_
     assert fmha_v2.page_size_fits(page_size, head_dim) is fits
 
 
-def test_a_factor_above_the_kv_tile_is_refused_because_fmha_v2_would_skip_short_requests():
-    assert fmha_v2.factor_refusal(128.0, 128, "here") is None
-    with pytest.raises(ValueError, match="at most 128"):
-        raise fmha_v2.factor_refusal(129.0, 128, "here")
+def test_a_batch_with_a_request_longer_than_one_kv_tile_but_not_the_factor_is_refused():
+    """fullcg attends densely to a request of at most ``factor`` keys; FMHAv2 would skip
+    its tiles past the first."""
+    assert fmha_v2.factor_refusal(128.0, 128, [100, 5000], "here") is None  # factor within one tile
+    assert fmha_v2.factor_refusal(500.0, 128, [100, 5000], "here") is None  # 100 keys: one tile, never skipped
+    with pytest.raises(ValueError, match="request 1 has 300 keys.*at most 128"):
+        raise fmha_v2.factor_refusal(500.0, 128, [5000, 300], "here")
     with pytest.raises(ValueError, match="at most 64"):
-        raise fmha_v2.factor_refusal(100.0, 256, "here")
+        raise fmha_v2.factor_refusal(100.0, 256, [80], "here")
 
 
 def test_skip_softmax_calls_that_count_no_tiles_are_reported_unmeasured():

@@ -408,8 +408,9 @@ class FlashInferAttention(AttentionImpl):
                 f"{where}: skip-softmax is supported for attention over the KV cache only; {alternative}")
         major = torch.cuda.get_device_capability(call.q.device)[0] if call.q.is_cuda else 0
         if fmha:
+            kv_lens = [q + p for q, p in zip(ctx.metadata.query_lens, ctx.metadata.prefix_lens)]
             for factor in factors:
-                refusal = fmha_v2.factor_refusal(factor, call.q.shape[2], where)
+                refusal = fmha_v2.factor_refusal(factor, call.q.shape[2], kv_lens, where)
                 if refusal is not None:
                     return None, refusal
         elif major < 10:

@@ -18,9 +18,10 @@ the batch size, the longest query and q's row count into its launch.
 Skip-softmax follows fullcg's rule, ``threshold = factor / kv_len`` per request, with two
 differences of granularity: a tile is 64 query rows of one head by one KV tile, decided by
 a warp-group vote, and the first KV tile of a request is never skipped. FMHAv2 also keeps
-skipping where ``factor >= kv_len`` (fullcg turns skipping off there); a request that short
-fits one KV tile, never skipped, only while ``factor <= kv_tile(head_dim)``, so larger
-factors are refused. FMHAv2 reports no skipped-tile counts.
+skipping where ``factor >= kv_len`` (fullcg turns skipping off there): harmless for a
+request that fits one KV tile (never skipped), so a batch with a request longer than one
+tile yet at most ``factor`` keys is refused (``auto`` runs it on Triton). FMHAv2 reports no
+skipped-tile counts.
 
 The softmax statistics come back as ``float32 [T, Hq, 2]``: the row maximum of the raw
 (unscaled) ``q . k`` divided by ``sqrt(head_dim)``, and the sum of ``exp(scale * (s - max))``;
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -102,16 +104,24 @@ def stats_to_lse(stats: torch.Tensor, scale: float, head_dim: int) -> torch.Tens
     return stats[..., 0] * (scale * math.sqrt(head_dim)) + torch.log(stats[..., 1])
 
 
-def factor_refusal(factor: float, head_dim: int, where: str) -> ValueError | None:
+def factor_refusal(factor: float, head_dim: int, kv_lens: Sequence[int], where: str) -> ValueError | None:
     """The error for a factor with which FMHAv2 would skip tiles that fullcg's rule keeps
-    (see the module docstring), or None."""
-    if factor <= kv_tile(head_dim):
+    in this batch (``kv_lens``: prefix plus new tokens per request), or None.
+
+    fullcg does not skip for a request of at most ``factor`` keys; FMHAv2 does, past its
+    first KV tile. Requests that fit one tile are therefore safe whatever the factor."""
+    tile = kv_tile(head_dim)
+    if factor <= tile:
         return None
+    short = [r for r, n in enumerate(kv_lens) if tile < n <= factor]
+    if not short:
+        return None
+    r = short[0]
     return ValueError(
-        f"{where}: FlashInfer's FMHAv2 applies the skip-softmax threshold factor / kv_len even where it is "
-        f"above 1, so with a factor above {kv_tile(head_dim)} (its KV tile at head dim {head_dim}) it would skip "
-        f"tiles of requests shorter than the factor, which fullcg keeps dense; got factor {factor}. Use a "
-        f"factor of at most {kv_tile(head_dim)}, or attention_impl='triton'"
+        f"{where}: request {r} has {kv_lens[r]} keys, at most the skip-softmax factor {factor}, so fullcg attends "
+        "to it densely, but FlashInfer's FMHAv2 applies the threshold factor / kv_len even above 1 and would skip "
+        f"its tiles past the first {tile} keys. Use a factor of at most {tile} (FMHAv2's KV tile at head dim "
+        f"{head_dim}) or attention_impl='triton' (attention_impl='auto' runs such batches there)"
     )
 
 
