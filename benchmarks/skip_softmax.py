@@ -1,4 +1,5 @@
-"""Skip-softmax attention on a Hopper GPU: the ``triton`` kernels against dense attention.
+"""Skip-softmax attention on a Hopper GPU: the ``triton`` kernels (and, for prefill on
+SM90 with FlashInfer installed, FlashInfer's FMHAv2) against dense attention.
 
 Shapes as published for skip-softmax (64 q / 4 kv heads and 32 / 8, head dim 128, bf16):
 prefill batch 1 at 16k, 32k, 64k tokens; decode batch 64 at 16k and 64k keys. Reports
@@ -8,6 +9,9 @@ prefill batch 1 at 16k, 32k, 64k tokens; decode batch 64 at 16k and 64k keys. Re
 * for a sweep of skip-softmax factors: tiles skipped (the kernels' own counters), time,
   speed-up over our dense kernel, and relative output error against float64 on a subset
   of rows (``||o - o64|| / ||o64||``);
+* for prefill on SM90 with FlashInfer installed, the same for FMHAv2 as the ``flashinfer``
+  implementation calls it, under ``fmha_v2`` (time, speed-up over its own dense and over
+  SDPA, error; FMHAv2 counts no skipped tiles);
 * a plot of speed-up and error against the skipped fraction.
 
 Random Q/K skip nothing, so inputs have controllable structure: attention sinks (the
@@ -27,6 +31,8 @@ import time
 
 import torch
 
+import fullcg
+from fullcg.ops.impl import fmha_v2
 from fullcg.ops.kernels import decode_attention, prefill_attention
 
 HEADS = [(64, 4), (32, 8)]
@@ -157,8 +163,37 @@ def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) ->
         err = rel_err(out[sub], exact)
         t = timed(ours(f), reps)
         sweep.append(dict(factor=f, skipped_fraction=skipped / max(visited, 1), ms=t, speedup=t_dense / t, rel_err=err))
-    return dict(kind="prefill", n=n, heads=heads, dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9,
-                sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9, dense_rel_err=dense_err, sweep=sweep)
+    res = dict(kind="prefill", n=n, heads=heads, dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9,
+               sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9, dense_rel_err=dense_err, sweep=sweep)
+    if fmha_v2.available(dev.index or 0):
+        res["fmha_v2"] = bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops, t_sdpa)
+    return res
+
+
+def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops, t_sdpa) -> dict:
+    """FlashInfer's FMHAv2 on the same prefill, called as the ``flashinfer`` implementation
+    calls it (paged K/V of one allocation); it counts no skipped tiles."""
+    n, dev = q.shape[0], q.device
+    both = torch.stack((k_cache, v_cache))  # one allocation, V after K, as KVCache.allocate makes it
+    cache = fullcg.KVCache(both[0], both[1])
+    tables = fmha_v2.paged_tables(page_table, fmha_v2.v_offset_pages(cache))
+    cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
+    ws = torch.zeros(fmha_v2.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+
+    def run(factor):
+        return lambda: fmha_v2.attend_paged(q, out, cache, tables, cu, cu, n, n, 1 / math.sqrt(HEAD_DIM), factor, ws)
+
+    t_dense = timed(run(None), reps)
+    run(None)()
+    dense_err = rel_err(out[sub], exact)
+    sweep = []
+    for f in factors:
+        run(f)()
+        err = rel_err(out[sub], exact)
+        t = timed(run(f), reps)
+        sweep.append(dict(factor=f, skipped_fraction=None, ms=t, speedup=t_dense / t, speedup_vs_sdpa=t_sdpa / t,
+                          rel_err=err))
+    return dict(dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9, dense_rel_err=dense_err, sweep=sweep)
 
 
 def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float], args) -> dict:
