@@ -18,12 +18,14 @@ build the model and put its weights on the device, which is reported apart as
 - ``warm``: a second process on the same directories;
 - ``no_compiler``: ``compiler="none"`` (capture without a compiler), fresh directories;
   null with the reason when this fullcg refuses that compiler;
+- ``no_compiler_warm``: a second ``compiler="none"`` process on the same directories
+  (Triton's compiled attention kernels cached: an engine's restart);
 - ``compiler_eager``: ``compiler="eager"`` (Dynamo traces, the pieces run as traced, no
   Inductor), fresh directories.
 
 The output holds the medians over ``--repeats`` (``cold_s``, ``warm_s``, ``no_compiler_s``,
-``compiler_eager_s``, ``weights_s``), the breakdown of each kind's median run (``breakdown``) and
-every run (``runs``). ``--cpu-tiny`` also measures the tiny model on the CPU of the same
+``no_compiler_warm_s``, ``compiler_eager_s``, ``weights_s``), the breakdown of each kind's
+median run (``breakdown``) and every run (``runs``). ``--cpu-tiny`` also measures the tiny model on the CPU of the same
 machine and stores it, with the same keys, under ``cpu_tiny``.
 
 Weights get torch's default initialisation, made on the device (``LlamaModel(seed=None)``
@@ -63,9 +65,12 @@ STARTUP_PHASES = (
     "python_start_s", "script_s", "import_torch_s", "import_fullcg_s", "cuda_init_s", "weights_s", "kv_cache_s",
     "torch_compile_s", "first_prefill_s", "capture_and_first_decode_s",
 )
-KINDS = ("cold", "warm", "no_compiler", "compiler_eager")
+KINDS = ("cold", "warm", "no_compiler", "no_compiler_warm", "compiler_eager")
 # Which compiler each kind uses; "warm" reuses the directories "cold" just filled.
-COMPILER_OF = {"cold": "inductor", "warm": "inductor", "no_compiler": "none", "compiler_eager": "eager"}
+COMPILER_OF = {"cold": "inductor", "warm": "inductor", "no_compiler": "none", "no_compiler_warm": "none",
+               "compiler_eager": "eager"}
+#: A kind that runs on the directories the kind before it filled (its warm start).
+WARM_OF = {"warm": "cold", "no_compiler_warm": "no_compiler"}
 
 # Dynamo's timers (``torch._dynamo.utils.compile_times``) kept in a run's breakdown, by the
 # name the breakdown gives them. A timer this torch does not have is left out.
@@ -301,17 +306,15 @@ def _measure(args: argparse.Namespace, device: str, model: str) -> dict[str, Any
     unsupported: dict[str, str] = {}
     load_before = os.getloadavg()[0]
     for repeat in range(args.repeats):
-        cold_dirs = Path(tempfile.mkdtemp(prefix="fullcg-startup-"))
+        kept: dict[str, Path] = {}  # each kind's directories, for the kind that warm-starts from it
         try:
             for kind in args.kinds:
                 if kind in unsupported:
                     continue
-                dirs = cold_dirs if kind in ("cold", "warm") else Path(tempfile.mkdtemp(prefix="fullcg-startup-"))
-                try:
-                    run = _spawn(args, device, model, COMPILER_OF[kind], dirs)
-                finally:
-                    if dirs is not cold_dirs:
-                        shutil.rmtree(dirs, ignore_errors=True)
+                dirs = kept.get(WARM_OF.get(kind, ""))
+                if dirs is None:
+                    dirs = kept[kind] = Path(tempfile.mkdtemp(prefix="fullcg-startup-"))
+                run = _spawn(args, device, model, COMPILER_OF[kind], dirs)
                 if "unsupported" in run:
                     unsupported[kind] = run["unsupported"]
                     print(f"{device}/{model} {kind}: not measured: {run['unsupported']}", flush=True)
@@ -328,7 +331,8 @@ def _measure(args: argparse.Namespace, device: str, model: str) -> dict[str, Any
                           "served by Inductor's cache alone; the key covers fullcg's source files, so an edit "
                           "between the cold and the warm process causes this (rerun on an unchanged tree)", flush=True)
         finally:
-            shutil.rmtree(cold_dirs, ignore_errors=True)
+            for dirs in kept.values():
+                shutil.rmtree(dirs, ignore_errors=True)
     if not runs:
         raise SystemExit(f"nothing was measured: {unsupported}")
 
@@ -405,8 +409,9 @@ def main() -> None:
     ap.add_argument("--spawn-time", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = args.model or ("llama3_8b" if args.device == "cuda" else "tiny")
-    if "warm" in args.kinds and "cold" not in args.kinds:
-        ap.error("--kinds warm needs cold too: the warm process starts on the caches the cold one filled")
+    for warm, cold in WARM_OF.items():
+        if warm in args.kinds and cold not in args.kinds:
+            ap.error(f"--kinds {warm} needs {cold} too: the {warm} process starts on the caches the {cold} one filled")
     args.kinds = [k for k in KINDS if k in args.kinds]  # cold always runs before warm
 
     if args.worker:

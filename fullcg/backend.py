@@ -20,7 +20,6 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
@@ -294,6 +293,8 @@ def token_count_guard(tokens: torch.SymInt | int) -> Callable[[int], bool]:
     """
     if not isinstance(tokens, torch.SymInt):
         return int(tokens).__eq__
+    import sympy  # here, not at import: it costs `import fullcg` about a second and is loaded by now
+
     env = tokens.node.shape_env
     symbol = env.replacements.get(tokens.node.expr, tokens.node.expr)
     if symbol.is_number:
