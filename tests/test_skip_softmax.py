@@ -139,3 +139,22 @@ def test_stats_reset_zeroes_counters():
     assert fullcg.skip_softmax_stats()[0].skipped > 0
     fullcg.reset_skip_softmax_stats()
     assert fullcg.skip_softmax_stats()[0].visited == 0
+
+
+def test_the_end_to_end_benchmark_measures_skipping_and_the_logits_it_moves_in_smoke_mode():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "skip_softmax_e2e.py"
+    spec = importlib.util.spec_from_file_location("benchmark_skip_softmax_e2e", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--smoke"])
+    assert [r["factor"] for r in result["decode"]] == [16.0, 80.0]
+    small, large = result["decode"]
+    # A larger factor skips more, and what it skips moves the logits; nothing skipped, nothing moves.
+    assert 0.0 <= small["skipped_fraction"] < large["skipped_fraction"] <= 1.0
+    assert large["max_rel_change"] > 1e-3
+    unskipped = [r for r in result["prefill"] if r["skipped_fraction"] == 0.0]
+    assert unskipped and all(r["max_rel_change"] < 1e-4 and r["same_top1"] == 1.0 for r in unskipped)
+    assert result["nearest_to_target"]["decode"] is large
