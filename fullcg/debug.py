@@ -74,7 +74,7 @@ def _implementation_line(name: str, device: str) -> str:
     except Exception as exc:  # an implementation that cannot be imported: the report still gets written
         return f"auto (unresolved: {exc})"
     if impl.name == "auto":
-        return ("auto (per call: flashinfer, FMHAv2 for eager bf16 prefill/extend on SM90; triton for the calls "
+        return ("auto (per call: flashinfer, FMHAv2 for eager bf16 prefill/extend batches on SM90; triton for the calls "
                 "FlashInfer would refuse, such as skip-softmax decode below SM100)")
     return f"auto ({impl.name})"
 

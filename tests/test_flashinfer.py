@@ -223,13 +223,15 @@ def fmha_calls(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("name", ["prefill", "extend", "mixed"])
-def test_fmha_v2_runs_prefill_and_extend_over_the_cache_on_hopper_and_matches_the_oracle(name, heads, head_dim,
-                                                                                       fmha_calls):
+def test_fmha_v2_runs_prefill_and_extend_batches_over_the_cache_on_hopper_and_all_match_the_oracle(
+    name, heads, head_dim, fmha_calls
+):
+    """Batches with decode requests stay on FA2 (FMHAv2 would spend a tile per query head on each)."""
     flashinfer_impl()
     b = batch(name, heads, head_dim)
     with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer")):
         out = b.layer(b.q, b.k, b.v)
-    assert fmha_calls == ["attend_paged"]
+    assert fmha_calls == ([] if name == "mixed" else ["attend_paged"])
     expected_out, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
     torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
 

@@ -416,7 +416,7 @@ class FlashInferAttention(AttentionImpl):
         elif major < 10:
             return None, ValueError(
                 f"{where}: FlashInfer honours a skip-softmax factor only through FMHAv2 on SM90 (bfloat16 batches "
-                "with a prefill or extend request, over a cache made by KVCache.allocate, no LSE, outside CUDA-graph "
+                "of prefill and extend requests only, over a cache made by KVCache.allocate, no LSE, outside CUDA-graph "
                 f"capture) and its trtllm-gen backend on SM100+; this call is not one of those (SM{major}x), and the "
                 f"factor would be silently ignored. {alternative}, or unset the skip-softmax factors"
             )
@@ -547,7 +547,7 @@ class FlashInferAttention(AttentionImpl):
             return False
         if kind[0] == "cache":
             return (
-                not md.is_decode_only and not call.return_lse
+                not md.has_decode and not call.return_lse
                 and fmha_v2.page_size_fits(md.page_size, shape.head_dim) and fmha_v2.v_offset_pages(cache) is not None
             )
         if kind[0] == "ragged":

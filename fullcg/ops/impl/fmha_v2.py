@@ -3,7 +3,8 @@
 
 It serves, on SM90 (Hopper) in bfloat16, steps that run outside CUDA-graph capture:
 
-- attention over the KV cache of a batch with at least one prefill or extend request,
+- attention over the KV cache of a batch of prefill and extend requests only (a decode
+  row would take a whole tile per query head, where FA2 packs a KV head's query heads),
   without LSE (``Q_PAGED_KV_NHD``; FMHAv2 saves softmax statistics only for contiguous
   k/v). The kernel addresses V pages from K's base pointer, so the cache's ``k`` and ``v``
   must be one allocation with V a whole number of pages after K, as
@@ -11,7 +12,7 @@ It serves, on SM90 (Hopper) in bfloat16, steps that run outside CUDA-graph captu
   divides, or is a multiple of, the kernel's KV tile;
 - attention over given k/v packed like q (``CONTIGUOUS_Q_KV``), with its LSE.
 
-Everything else (decode-only batches, LSE over the cache, prefix chunks, fp16, captured
+Everything else (batches with decode requests, LSE over the cache, prefix chunks, fp16, captured
 steps) stays on the FlashAttention-2 wrappers. Capture is left out because FMHAv2 bakes
 the batch size, the longest query and q's row count into its launch.
 
