@@ -8,7 +8,10 @@ unmeasured, never as zero skipped. The kernel itself is tested on the GPU in
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -84,3 +87,27 @@ def test_skip_softmax_calls_that_count_no_tiles_are_reported_unmeasured():
     assert fullcg.skip_softmax_stats()[7].unmeasured_calls == 2
     fullcg.reset_skip_softmax_stats()
     assert 7 not in fullcg.skip_softmax_stats()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_first_build_of_an_fmha_v2_module_is_announced_once(monkeypatch, caplog, compiled):
+    """FlashInfer compiles FMHAv2 on first use for minutes: the user is told, once."""
+    specs = []
+
+    def gen_fmha_v2_module(layout, dtype, out_dtype):
+        specs.append(layout)
+        return types.SimpleNamespace(is_compiled=compiled)
+
+    modules = types.ModuleType("flashinfer.jit.attention.modules")
+    modules.gen_fmha_v2_module = gen_fmha_v2_module
+    for name in ("flashinfer", "flashinfer.jit", "flashinfer.jit.attention"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flashinfer.jit.attention.modules", modules)
+    fmha_v2.announce_build.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="fullcg.ops.impl.fmha_v2"):
+        for _ in range(3):
+            fmha_v2.announce_build("Q_PAGED_KV_NHD", torch.bfloat16)
+    fmha_v2.announce_build.cache_clear()
+    assert specs == ["Q_PAGED_KV_NHD"]
+    warned = [r for r in caplog.records if "compiling its FMHAv2" in r.getMessage()]
+    assert len(warned) == (0 if compiled else 1)

@@ -32,6 +32,7 @@ The softmax statistics come back as ``float32 [T, Hq, 2]``: the row maximum of t
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Sequence
 
@@ -43,6 +44,8 @@ __all__ = [
     "HEAD_DIMS", "available", "kv_tile", "page_size_fits", "v_offset_pages", "paged_tables", "stats_to_lse",
     "factor_refusal", "attend_paged", "attend_contiguous",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Head dims fullcg runs through FMHAv2 (q and v alike; FMHAv2 takes more on SM90).
 HEAD_DIMS = (64, 128, 256)
@@ -105,6 +108,25 @@ def stats_to_lse(stats: torch.Tensor, scale: float, head_dim: int) -> torch.Tens
     return stats[..., 0] * (scale * math.sqrt(head_dim)) + torch.log(stats[..., 1])
 
 
+@functools.lru_cache(maxsize=None)
+def announce_build(layout: str, dtype: torch.dtype) -> None:
+    """Warn, once per process and module, before FlashInfer compiles an FMHAv2 module that
+    is not in its JIT cache yet: the first use on a machine takes minutes, later ones load it."""
+    try:
+        from flashinfer.jit.attention.modules import gen_fmha_v2_module
+
+        compiled = gen_fmha_v2_module(layout, dtype, None).is_compiled
+    except Exception:  # a FlashInfer that builds it some other way: nothing to announce
+        return
+    if not compiled:
+        logger.warning(
+            "fullcg: FlashInfer is compiling its FMHAv2 %s kernels for %s: this first use on this machine takes a "
+            "minute or more (later processes load them from FlashInfer's JIT cache). To use FlashInfer's FA2 "
+            "kernels instead: fullcg.ops.impl.flashinfer.FlashInferAttention.use_fmha_v2 = False",
+            layout, dtype,
+        )
+
+
 def factor_refusal(factor: float, head_dim: int, kv_lens: Sequence[int], where: str) -> ValueError | None:
     """The error for a factor with which FMHAv2 would skip tiles that fullcg's rule keeps
     in this batch (``kv_lens``: prefix plus new tokens per request), or None.
@@ -143,6 +165,7 @@ def attend_paged(
     cache, into ``out`` (rows past ``cu_q[-1]`` are left as they were)."""
     from flashinfer.prefill import trtllm_fmha_v2_prefill
 
+    announce_build("Q_PAGED_KV_NHD", q.dtype)
     trtllm_fmha_v2_prefill(
         (q, (cache.k, cache.v)), "Q_PAGED_KV_NHD", workspace_buffer=workspace, seq_lens=cu_kv[1:],  # not read
         max_q_len=max_q_len, max_kv_len=max_kv_len, bmm1_scale=scale, bmm2_scale=1.0,
@@ -175,6 +198,7 @@ def attend_contiguous(
     kv = k.new_empty((rows, 2, k.shape[1], k.shape[2]))
     kv[:n, 0].copy_(k)
     kv[:n, 1].copy_(v)
+    announce_build("CONTIGUOUS_Q_KV", q.dtype)
     # seq_lens is not read by the kernel (it takes lengths from the cumulative ones).
     result = trtllm_fmha_v2_prefill(
         (q, kv), "CONTIGUOUS_Q_KV", workspace_buffer=workspace, seq_lens=cu_q[1:],
