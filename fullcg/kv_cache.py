@@ -38,11 +38,29 @@ class KVCache:
     #: What the attention ops last checked this cache against (heads, dims, dtype, device,
     #: page size): a call shaped like that needs no new check. Cleared when k or v is replaced.
     fit: tuple[object, ...] | None = dataclasses.field(init=False, repr=False, default=None)
+    _v_offset: int | None | bool = dataclasses.field(init=False, repr=False, default=False)  # False: not known yet
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("k", "v"):
             object.__setattr__(self, "fit", None)
+            object.__setattr__(self, "_v_offset", False)
         object.__setattr__(self, name, value)
+
+    @property
+    def v_offset_pages(self) -> int | None:
+        """How many pages after K's first page V's first page lies when k and v are one
+        allocation, V after K, a whole number of pages apart (as :meth:`allocate` makes
+        them; kernels that address V from K's pointer need it); else None."""
+        if self._v_offset is False:
+            k, v = self.k, self.v
+            offset = None
+            if k.shape == v.shape and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr():
+                page_bytes = k[0].numel() * k.element_size()
+                delta = v.data_ptr() - k.data_ptr()
+                if delta > 0 and delta % page_bytes == 0:
+                    offset = delta // page_bytes
+            object.__setattr__(self, "_v_offset", offset)
+        return self._v_offset
 
     def __post_init__(self) -> None:
         self.uid = next(_uids)
@@ -72,8 +90,9 @@ class KVCache:
         # for the original).
         import copy
 
-        if self.k.shape == self.v.shape and self.k.untyped_storage().data_ptr() == self.v.untyped_storage().data_ptr():
+        if self.v_offset_pages is not None:
             both = torch.stack((self.k, self.v))  # one allocation again, as allocate() makes it
+            memo[id(self.k)], memo[id(self.v)] = both[0], both[1]
             return KVCache(both[0], both[1])
         return KVCache(copy.deepcopy(self.k, memo), copy.deepcopy(self.v, memo))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fullcg
-from fullcg.config import FullCGConfig, SkipSoftmaxConfig
+from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl.auto import AutoAttention
 from fullcg.ops.impl.base import AttentionImpl
 
@@ -42,15 +42,20 @@ class Recording(AttentionImpl):
         self.ran.append("plan")
 
 
-def run(auto: AutoAttention, dtype: torch.dtype, **factors) -> None:
+def run(auto: AutoAttention, dtype: torch.dtype, layers: int = 1, use_kv_cache: bool = True,
+        **factors: float) -> None:
+    """One step of ``layers`` alike calls through ``auto``, as the ops make them."""
     b = make_batch([3, 1], [0, 5], dtype=dtype)
-    config = FullCGConfig(skip_softmax=SkipSoftmaxConfig(**factors))
-    with torch.inference_mode(), fullcg.forward_context(b.metadata, b.layer, config=config) as ctx:
+    with torch.inference_mode(), fullcg.forward_context(b.metadata, b.layer) as ctx:
         cache = b.layer.kv_cache
-        call = type("Call", (), {"q": b.q, "out": torch.empty_like(b.q), "use_kv_cache": True, "return_lse": False})()
-        auto.save_kv(call, ctx, cache)
-        auto.forward(call, ctx, cache)
-        auto.step_plan(call, ctx, cache)
+        for layer in range(layers):
+            call = AttentionCall(
+                "attention", b.q, b.k, b.v, torch.empty_like(b.q), layer, None, factors.get("prefill"),
+                factors.get("decode"), 1.0, use_kv_cache, True, None, True, False,
+            )
+            auto.save_kv(call, ctx, cache)
+            auto.forward(call, ctx, cache if use_kv_cache else None)
+            auto.step_plan(call, ctx, cache)
         auto.plan(ctx)
 
 
@@ -64,16 +69,27 @@ def test_dense_half_precision_calls_run_on_the_first_without_asking_it():
 @pytest.mark.parametrize("serves", [True, False])
 def test_skip_softmax_calls_run_where_the_first_would_honour_the_factor_else_on_the_second(serves):
     first, second = Recording("flashinfer", serves=serves), Recording("triton")
-    run(AutoAttention(first, second), torch.bfloat16, decode_scale_factor=4.0)
+    run(AutoAttention(first, second), torch.bfloat16, decode=4.0)
     chosen, other = (first, second) if serves else (second, first)
     assert [step for step in chosen.ran if step != "serves"] == ["save_kv", "forward", "step_plan", "plan"]
     assert [step for step in other.ran if step != "serves"] == ["plan"]
-    assert first.ran.count("serves") == 3  # asked for each of save_kv, forward and step_plan
+
+
+@pytest.mark.parametrize("use_kv_cache", [True, False])
+def test_alike_calls_of_a_step_are_decided_once_so_saving_and_attending_share_an_implementation(use_kv_cache):
+    """The first is asked once per step for all its layers' alike calls; with or without
+    attending over the cache (the chunked-prefix pattern saves, then attends over given
+    k/v), save_kv and forward go to the same implementation."""
+    first, second = Recording("flashinfer", serves=False), Recording("triton")
+    run(AutoAttention(first, second), torch.bfloat16, layers=4, use_kv_cache=use_kv_cache, prefill=2.0)
+    assert first.ran.count("serves") == 1
+    assert second.ran.count("save_kv") == second.ran.count("forward") == 4
 
 
 def test_float32_calls_ask_the_first_even_without_factors():
     first, second = Recording("flashinfer", serves=False), Recording("triton")
     run(AutoAttention(first, second), torch.float32)
+    assert "serves" in first.ran
     assert "forward" in second.ran and "forward" not in first.ran
 
 

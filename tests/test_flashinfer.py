@@ -241,11 +241,13 @@ def test_fmha_v2_runs_prefill_and_extend_batches_over_the_cache_on_hopper_and_al
 def test_fmha_v2_attends_over_given_kv_with_the_natural_log_lse_and_dead_padding_rows(causal, fmha_calls):
     flashinfer_impl()
     b = batch("prefill", head_dim=128)
-    pad = 5
-    q = torch.cat([b.q, torch.full((pad, *b.q.shape[1:]), float("nan"), device=DEVICE, dtype=DTYPE)])
-    k = torch.cat([b.k, torch.randn(pad, *b.k.shape[1:], device=DEVICE, dtype=DTYPE)])
-    v = torch.cat([b.v, torch.randn(pad, *b.v.shape[1:], device=DEVICE, dtype=DTYPE)])
-    out, lse = attend(b, "flashinfer", q=q, k=k, v=v, use_kv_cache=False, causal=causal)
+    pad = 5  # padding rows are never read: NaN there must not reach a real row
+
+    def padded(x):
+        return torch.cat([x, torch.full((pad, *x.shape[1:]), float("nan"), device=DEVICE, dtype=DTYPE)])
+
+    out, lse = attend(b, "flashinfer", q=padded(b.q), k=padded(b.k), v=padded(b.v), use_kv_cache=False,
+                      causal=causal)
     assert fmha_calls == ["attend_contiguous"]
     n = b.metadata.num_tokens
     assert torch.equal(out[n:], torch.zeros_like(out[n:])) and torch.isneginf(lse[n:]).all()
@@ -440,3 +442,36 @@ def test_auto_runs_skip_softmax_prefill_on_fmha_v2_and_what_flashinfer_would_ref
                 outs.append(b.layer(b.q, b.k, b.v))
         torch.testing.assert_close(outs[0].float(), outs[1].float(), **TOL)
     assert fmha_calls == ["attend_paged"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_serves_says_exactly_which_calls_forward_computes_rather_than_refuses(name, monkeypatch):
+    """``auto`` trusts ``serves``: over batch kinds, factors, LSE and cache use, a call it
+    serves runs, and a call it does not serve is refused."""
+    impl = flashinfer_impl()
+    real_forward = impl.forward
+    verdicts: list[tuple[bool, bool]] = []  # (served, ran)
+
+    def forward(call, ctx, cache):
+        served = impl.serves(call, ctx, cache)
+        try:
+            result = real_forward(call, ctx, cache)
+        except (ValueError, RuntimeError):
+            verdicts.append((served, False))
+            raise
+        verdicts.append((served, True))
+        return result
+
+    monkeypatch.setattr(impl, "forward", forward)
+    b = batch(name, head_dim=128)
+    for factors in ({}, {"prefill_scale_factor": 8.0}, {"decode_scale_factor": 4.0},
+                    {"prefill_scale_factor": 8.0, "decode_scale_factor": 8.0}):
+        for kwargs in ({}, {"return_lse": True}, {"use_kv_cache": False}):
+            with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer", **factors)):
+                try:
+                    b.layer(b.q, b.k, b.v, **kwargs)
+                except (ValueError, RuntimeError):
+                    pass
+    assert len(verdicts) == 12
+    assert all(served == ran for served, ran in verdicts), verdicts

@@ -41,6 +41,13 @@ def test_an_allocated_cache_is_one_allocation_with_v_a_whole_number_of_pages_aft
     assert fmha_v2.v_offset_pages(copied) == 12 and copied.k.data_ptr() != cache.k.data_ptr()
 
 
+def test_a_cache_whose_tensors_are_replaced_finds_its_layout_again():
+    cache = fullcg.KVCache.allocate(12, 16, 2, 64)
+    assert cache.v_offset_pages == 12
+    cache.v = torch.zeros_like(cache.v)
+    assert cache.v_offset_pages is None
+
+
 def test_caches_fmha_v2_cannot_address_are_recognised():
     separate = fullcg.KVCache(torch.zeros(8, 16, 2, 64), torch.zeros(8, 16, 2, 64))
     assert fmha_v2.v_offset_pages(separate) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 
 import torch
 
@@ -17,6 +18,8 @@ from fullcg.errors import ImplementationUnavailableError
 from fullcg.ops.impl.base import AttentionImpl
 
 __all__ = ["AttentionImpl", "register_implementation", "resolve_implementation", "available_implementations"]
+
+logger = logging.getLogger(__name__)
 
 
 _registry: dict[str, AttentionImpl] = {}
@@ -67,12 +70,25 @@ def resolve_implementation(
     installed, :class:`fullcg.ops.impl.auto.AutoAttention`, which picks per call."""
     if name == "auto":
         names = _auto_names(torch.device(device).type)
-        found = [impl for impl in map(_load, names[:-1])
+        found = [impl for impl in _loadable(names[:-1])
                  if head_dim is None or impl.supports(head_dim, head_dim if v_head_dim is None else v_head_dim)]
         if len(found) == 2:
             return _auto_pair(*found)
         return found[0] if found else _load(names[-1])
     return _load(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _loadable(names: tuple[str, ...]) -> tuple[AttentionImpl, ...]:
+    """The implementations among ``names`` that import; ``auto`` passes over (and logs) one
+    whose package is installed but broken, rather than failing every step."""
+    found = []
+    for name in names:
+        try:
+            found.append(_load(name))
+        except ImplementationUnavailableError as exc:
+            logger.warning("fullcg: attention_impl='auto' passes over %r: %s", name, exc)
+    return tuple(found)
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,15 +2,19 @@
 the faster implementation that computes it as asked.
 
 FlashInfer runs every call it can: FA2 for decode and captured steps, FMHAv2 for eager
-prefill and extend on Hopper (skip-softmax prefill there too). fullcg's Triton kernels run
-the calls FlashInfer would refuse rather than compute: skip-softmax decode below SM100
-(FlashInfer has no skip-softmax decode on Hopper), a mixed batch whose prefill and decode
-factors differ, skip-softmax under CUDA-graph capture, fp32, head dims FlashInfer lacks.
+batches of prefill and extend requests on Hopper (skip-softmax prefill there too).
+fullcg's Triton kernels run the calls FlashInfer would refuse rather than compute: below
+SM100, skip-softmax for batches with decode requests (FlashInfer has no skip-softmax
+decode on Hopper) and under CUDA-graph capture; a mixed batch whose prefill and decode
+factors differ; fp32. (Head dims FlashInfer lacks never get here: ``auto`` resolves to
+Triton alone for them.)
 
-The choice depends only on the call, the batch and the config, never on timing, so a
-step's calls all make it alike, and a captured graph replays what was chosen at capture:
-under capture the choice for a skip-softmax call is Triton whatever the batch kind, since
-FlashInfer honours no factor there.
+The choice depends only on the call, the batch, the cache's layout and whether a graph is
+being captured, never on timing. It is made once per step for calls alike (the rest of
+the step's layers look it up), so saving and attending always run on the same
+implementation, and a captured graph replays what was chosen at capture: under capture a
+skip-softmax call goes to Triton whatever the batch kind, since FlashInfer honours no
+factor there.
 """
 
 from __future__ import annotations
@@ -39,11 +43,19 @@ class AutoAttention(AttentionImpl):
 
     def choose(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> AttentionImpl:
         """The implementation that runs ``call`` (``cache``: the layer's cache, when it has one)."""
-        skip = ctx.config.skip_softmax
-        if skip.prefill_scale_factor is None and skip.decode_scale_factor is None and call.q.dtype in _HALF:
+        if call.prefill_scale_factor is None and call.decode_scale_factor is None and call.q.dtype in _HALF:
             return self.flashinfer  # dense half-precision calls: the common case, decided without probing
         attends_cache = cache if call.use_kv_cache else None
-        return self.flashinfer if self.flashinfer.serves(call, ctx, attends_cache) else self.triton
+        key = ("auto", call.op, call.use_kv_cache, call.causal, call.prefix_chunk, call.return_lse,
+               call.key_value_num_tokens, call.prefill_scale_factor, call.decode_scale_factor, call.q.dtype,
+               call.q.shape, call.k.shape, call.v.shape,
+               attends_cache.v_offset_pages if attends_cache is not None else None,
+               torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        chosen = ctx.memo.get(key)
+        if chosen is None:
+            serves = self.flashinfer.serves(call, ctx, attends_cache)
+            chosen = ctx.memo[key] = self.flashinfer if serves else self.triton
+        return chosen
 
     def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
         # The same implementation saves and attends: one may leave saving to its forward kernel.

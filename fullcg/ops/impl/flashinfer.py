@@ -11,8 +11,8 @@ What each call uses:
 
 On Hopper (SM90), steps outside CUDA-graph capture run prefill and extend attention in
 bfloat16 through FMHAv2 instead (:mod:`fullcg.ops.impl.fmha_v2` says exactly which calls),
-which also honours a skip-softmax factor there; ``FlashInferAttention.use_fmha_v2 = False``
-turns that off.
+which also honours a skip-softmax factor there (over the KV cache only, as every factor
+here); ``FlashInferAttention.use_fmha_v2 = False`` turns that off.
 
 FlashInfer's LSE is base 2; it is converted to the natural log at this boundary. Rows past
 the batch's real tokens (and rows of a request with nothing to attend to, as in a prefix
@@ -49,15 +49,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "(flashinfer-python 0.6.18); or choose attention_impl='triton' or 'reference'"
     ) from exc
 
+from fullcg import telemetry
 from fullcg.context import ForwardContext
-from fullcg.metadata import AttentionMetadata
 from fullcg.kv_cache import KVCache
+from fullcg.metadata import AttentionMetadata
 from fullcg.ops.call import AttentionCall
-from fullcg.ops.impl import register_implementation
-from fullcg.ops.impl import fmha_v2
+from fullcg.ops.impl import fmha_v2, register_implementation
 from fullcg.ops.impl.base import AttentionImpl
 from fullcg.ops.kernels.save_kv import save_new_kv
-from fullcg import telemetry
 
 __all__ = ["FlashInferAttention", "WORKSPACE_BYTES", "DENSE_BACKEND"]
 
@@ -74,8 +73,8 @@ SKIP_SOFTMAX_BACKEND = "trtllm-gen"
 
 _LN2 = math.log(2.0)
 _INT = torch.int32
-#: Head dims FlashInfer's kernels take (q and v alike).
-_HEAD_DIMS = (64, 128, 256)
+#: Head dims FlashInfer's kernels take (q and v alike); FMHAv2 takes the same.
+_HEAD_DIMS = fmha_v2.HEAD_DIMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,8 +396,11 @@ class FlashInferAttention(AttentionImpl):
         """The skip-softmax factor to pass to FlashInfer (None: dense attention), or the
         error that refuses, rather than ignores, a factor FlashInfer would not honour.
         ``fmha``: the call runs on FMHAv2."""
-        modes = ctx.metadata.forward_modes
-        factors = {call.scale_factor_for(m) for m in modes} - {None}
+        md = ctx.metadata
+        # The factors this batch's requests use: prefill's for prefill/extend, decode's for decode.
+        wanted = ([] if md.is_decode_only else [call.prefill_scale_factor]) + (
+            [call.decode_scale_factor] if md.has_decode else [])
+        factors = {f for f in wanted if f is not None}
         if not factors:
             return None, None
         where = f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='flashinfer'"
@@ -406,21 +408,20 @@ class FlashInferAttention(AttentionImpl):
         if cache is None:
             return None, ValueError(
                 f"{where}: skip-softmax is supported for attention over the KV cache only; {alternative}")
-        major = torch.cuda.get_device_capability(call.q.device)[0] if call.q.is_cuda else 0
         if fmha:
-            kv_lens = [q + p for q, p in zip(ctx.metadata.query_lens, ctx.metadata.prefix_lens)]
+            kv_lens = [q + p for q, p in zip(md.query_lens, md.prefix_lens)]
             for factor in factors:
                 refusal = fmha_v2.factor_refusal(factor, call.q.shape[2], kv_lens, where)
                 if refusal is not None:
                     return None, refusal
-        elif major < 10:
+        elif (major := torch.cuda.get_device_capability(call.q.device)[0] if call.q.is_cuda else 0) < 10:
             return None, ValueError(
                 f"{where}: FlashInfer honours a skip-softmax factor only through FMHAv2 on SM90 (bfloat16 batches "
                 "of prefill and extend requests only, over a cache made by KVCache.allocate, no LSE, outside CUDA-graph "
                 f"capture) and its trtllm-gen backend on SM100+; this call is not one of those (SM{major}x), and the "
                 f"factor would be silently ignored. {alternative}, or unset the skip-softmax factors"
             )
-        if len(factors) > 1 or any(call.scale_factor_for(m) is None for m in modes):
+        if len(factors) > 1 or None in wanted:
             return None, ValueError(
                 f"{where}: a mixed batch needs the prefill factor for prefill/extend requests and the decode factor "
                 f"for decode ones, but FlashInfer takes one factor per call; {alternative}, or run decode and "
@@ -539,21 +540,24 @@ class FlashInferAttention(AttentionImpl):
         self, call: AttentionCall, md: AttentionMetadata, shape: _Shape, kind: _Kind, cache: KVCache | None
     ) -> bool:
         """Whether this call runs on FMHAv2 (the calls :mod:`fullcg.ops.impl.fmha_v2` lists)."""
-        if not self.use_fmha_v2 or shape.dtype != torch.bfloat16 or _capturing():
+        if not self.use_fmha_v2 or shape.dtype != torch.bfloat16:
+            return False
+        if kind[0] == "cache":
+            if md.has_decode or call.return_lse or not fmha_v2.page_size_fits(md.page_size, shape.head_dim):
+                return False
+            if fmha_v2.v_offset_pages(cache) is None:
+                return False
+        elif kind[0] == "ragged":
+            rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
+            if not md.num_tokens <= rows <= call.q.shape[0]:
+                return False
+        else:
             return False
         if shape.head_dim != shape.v_head_dim or shape.head_dim not in fmha_v2.HEAD_DIMS:
             return False
-        if shape.num_qo_heads % shape.num_kv_heads or not fmha_v2.available(shape.device.index or 0):
+        if shape.num_qo_heads % shape.num_kv_heads or _capturing():
             return False
-        if kind[0] == "cache":
-            return (
-                not md.has_decode and not call.return_lse
-                and fmha_v2.page_size_fits(md.page_size, shape.head_dim) and fmha_v2.v_offset_pages(cache) is not None
-            )
-        if kind[0] == "ragged":
-            rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
-            return md.num_tokens <= rows <= call.q.shape[0]
-        return False
+        return fmha_v2.available(shape.device.index or 0)
 
     def _fmha_batch_of(self, md: AttentionMetadata) -> _FmhaBatch:
         batch = self._fmha_batch
@@ -571,8 +575,9 @@ class FlashInferAttention(AttentionImpl):
         target = call.out if call.out.is_contiguous() else torch.empty_like(call.out)
         ws = self._fmha_workspaces.get(q.device)
         if ws is None:
-            ws = self._fmha_workspaces[q.device] = torch.zeros(fmha_v2.WORKSPACE_BYTES, dtype=torch.uint8,
-                                                               device=q.device)
+            with torch.inference_mode(False):  # a normal tensor, as the FA2 workspace
+                ws = self._fmha_workspaces[q.device] = torch.zeros(fmha_v2.WORKSPACE_BYTES, dtype=torch.uint8,
+                                                                   device=q.device)
         batch = self._fmha_batch_of(md)
         cu_q = md.query_start_loc
         if kind[0] == "cache":
@@ -584,10 +589,9 @@ class FlashInferAttention(AttentionImpl):
                                  float(call.scale), factor, ws)
             lse = None
         else:
-            rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
             lse = fmha_v2.attend_contiguous(
-                q, call.k[:rows].contiguous(), call.v[:rows].contiguous(), target, cu_q, batch.max_q_len,
-                bool(call.causal), float(call.scale), call.return_lse, ws,
+                q, call.k, call.v, md.num_tokens, target, cu_q, batch.max_q_len, bool(call.causal),
+                float(call.scale), call.return_lse, ws,
             )
         return self._finish(call, md, target, lse)
 

@@ -78,19 +78,10 @@ def page_size_fits(page_size: int, head_dim: int) -> bool:
 
 
 def v_offset_pages(cache: KVCache) -> int | None:
-    """How many pages after K's first page V's first page lies, when FMHAv2 can address V
-    from K's pointer (one allocation, V after K, a whole number of pages apart); else None."""
-    k, v = cache.k, cache.v
-    if k.shape != v.shape or not (k.is_contiguous() and v.is_contiguous()):
-        return None
-    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
-        return None
-    page_bytes = k[0].numel() * k.element_size()
-    delta = v.data_ptr() - k.data_ptr()
-    if delta <= 0 or delta % page_bytes:
-        return None
-    pages = delta // page_bytes
-    if pages + cache.num_pages > torch.iinfo(torch.int32).max:
+    """The cache's :attr:`~fullcg.KVCache.v_offset_pages` when FMHAv2 can address V from
+    K's pointer with it (its page ids are int32), else None."""
+    pages = cache.v_offset_pages
+    if pages is None or pages + cache.num_pages > torch.iinfo(torch.int32).max:
         return None
     return pages
 
@@ -178,6 +169,7 @@ def attend_contiguous(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    num_tokens: int,
     out: torch.Tensor,
     cu_q: torch.Tensor,
     max_q_len: int,
@@ -186,18 +178,21 @@ def attend_contiguous(
     want_lse: bool,
     workspace: torch.Tensor,
 ) -> torch.Tensor | None:
-    """Attention of each request's rows of q over the same rows of k/v, into ``out``;
-    the natural-log LSE ``[T, Hq]`` iff ``want_lse`` (rows past ``cu_q[-1]`` undefined)."""
+    """Attention of each request's rows of q over the same rows of k/v (the first
+    ``num_tokens`` are the real ones), into ``out``; the natural-log LSE ``[T, Hq]`` iff
+    ``want_lse`` (rows past ``cu_q[-1]`` undefined)."""
     from flashinfer.prefill import trtllm_fmha_v2_prefill
 
-    n, rows = k.shape[0], q.shape[0]
-    # FMHAv2 bounds its k/v loads by q's row count: k/v rows past it would read as zeros,
-    # and its loads may reach past the k/v buffer up to that count (masked, but read).
-    if n > rows:
-        raise ValueError(f"FMHAv2: {n} rows of k/v for {rows} rows of q")
+    n, rows = num_tokens, q.shape[0]
+    # FMHAv2 bounds its k/v loads by q's row count: k/v rows past it would read as zeros.
+    if n > rows or n > k.shape[0]:
+        raise ValueError(f"FMHAv2: {n} tokens, {k.shape[0]} rows of k/v, {rows} rows of q")
     kv = k.new_empty((rows, 2, k.shape[1], k.shape[2]))
-    kv[:n, 0].copy_(k)
-    kv[:n, 1].copy_(v)
+    kv[:n, 0].copy_(k[:n])
+    kv[:n, 1].copy_(v[:n])
+    # A request's last KV tile reaches past its rows: masked, but 0 * NaN would still be
+    # NaN, so the rows past the real tokens (the caller's padding, never to be read) are zeros.
+    kv[n:].zero_()
     announce_build("CONTIGUOUS_Q_KV", q.dtype)
     # seq_lens is not read by the kernel (it takes lengths from the cumulative ones).
     result = trtllm_fmha_v2_prefill(
