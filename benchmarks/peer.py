@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fullcg.models.llama import LlamaModel, apply_rotary
+from fullcg.models.llama import LlamaModel, apply_rotary, rotary_angles
 
 
 class PeerDecoder(torch.nn.Module):
@@ -35,13 +35,14 @@ class PeerDecoder(torch.nn.Module):
         b = input_ids.shape[0]
         hidden = m.embed_tokens(input_ids)
         mask = (torch.arange(self.max_len, device=input_ids.device) <= input_pos[0]).view(1, 1, 1, -1)
+        rotary = rotary_angles(input_pos, m.inv_freq)
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             qkv = attn.qkv_proj(x).view(b, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
             q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
-            q = apply_rotary(q, input_pos, attn.inv_freq)
-            k = apply_rotary(k, input_pos, attn.inv_freq)
+            q = apply_rotary(q, rotary)
+            k = apply_rotary(k, rotary)
             self.k_cache[i].index_copy_(1, input_pos[:1], k.unsqueeze(1))
             self.v_cache[i].index_copy_(1, input_pos[:1], v.unsqueeze(1))
             out = F.scaled_dot_product_attention(

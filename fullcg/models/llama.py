@@ -76,10 +76,22 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention) of ``x [T, H, D]`` at ``positions [T]``."""
+Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
+def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> Rotary:
+    """cos and sin ``[T, 1, D/2]`` (float32) of the rotary angles at ``positions [T]``.
+
+    Made once per step and shared by every layer: computed per layer, they were a dozen of
+    each layer's ~85 traced ops, which Dynamo traces 32 times and Inductor compiles.
+    """
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) of ``x [T, H, D]`` by :func:`rotary_angles`."""
+    cos, sin = rotary
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -93,17 +105,15 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.attn = fullcg.Attention(cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, layer_id=layer_id)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rotary: Rotary, hidden: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         # View the contiguous projection as heads first, then split: a view of a split
         # (non-contiguous) slice makes Inductor guard on the token count being > 1.
         qkv = self.qkv_proj(hidden).view(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
-        q = apply_rotary(q, positions, self.inv_freq)
-        k = apply_rotary(k, positions, self.inv_freq)
+        q = apply_rotary(q, rotary)
+        k = apply_rotary(k, rotary)
         if cfg.chunked_prefix:
             out = self._chunked_prefix_attention(q, k, v)
         else:
@@ -137,8 +147,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+    def forward(self, rotary: Rotary, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -167,11 +177,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         if seed is not None:
             self._init_weights(seed)
         self.to(device=device, dtype=dtype)
-        for layer in self.layers:  # keep rotary frequencies in float32 whatever the dtype
-            layer.self_attn.inv_freq = layer.self_attn.inv_freq.float()
+        self.inv_freq = self.inv_freq.float()  # rotary frequencies stay float32 whatever the dtype
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
@@ -195,6 +206,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rotary = rotary_angles(positions, self.inv_freq)
         for layer in self.layers:
-            hidden = layer(positions, hidden)
+            hidden = layer(rotary, hidden)
         return self.lm_head(self.norm(hidden))
