@@ -35,6 +35,7 @@ import functools
 import logging
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -102,12 +103,18 @@ def stats_to_lse(stats: torch.Tensor, scale: float, head_dim: int) -> torch.Tens
 @functools.lru_cache(maxsize=None)
 def announce_build(layout: str, dtype: torch.dtype) -> None:
     """Warn, once per process and module, before FlashInfer compiles an FMHAv2 module that
-    is not in its JIT cache yet: the first use on a machine takes minutes, later ones load it."""
-    try:
-        from flashinfer.jit.attention.modules import gen_fmha_v2_module
+    is not in its JIT cache yet: the first use on a machine takes minutes, later ones load it.
 
-        compiled = gen_fmha_v2_module(layout, dtype, None).is_compiled
-    except Exception:  # a FlashInfer that builds it some other way: nothing to announce
+    Looks for the library where FlashInfer 0.6 puts it (``<jit or aot dir>/<uri>/<uri>.so``)
+    rather than asking FlashInfer, which would generate the module's sources to answer."""
+    try:
+        from flashinfer.jit import env as jit_env
+
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        uri = f"trtllm_fmha_v2_{layout.lower()}_{name}_{name}"
+        compiled = any((Path(base) / uri / f"{uri}.so").exists()
+                       for base in (jit_env.FLASHINFER_JIT_DIR, jit_env.FLASHINFER_AOT_DIR))
+    except Exception:  # a FlashInfer that keeps it elsewhere: nothing to announce
         return
     if not compiled:
         logger.warning(
