@@ -18,9 +18,9 @@ _uids = itertools.count(1)
 class KVCache:
     """K and V pages of one layer, each ``[num_pages, page_size, num_kv_heads, head_dim]``.
 
-    :meth:`allocate` makes them one allocation (V after K) where their head dims agree;
-    caches made from two tensors work everywhere, but FlashInfer's FMHAv2 prefill reads
-    only the first kind (other steps' kernels are unaffected).
+    :meth:`allocate` makes them one allocation, V after K, where their head dims agree:
+    FlashInfer's FMHAv2 prefill addresses V from K's pointer and runs only on such a cache
+    (:attr:`v_offset_pages`). Every other kernel takes a cache of any two tensors.
 
     The tensors are allocated once and never move, so CUDA graphs that read or write them
     stay valid for the cache's lifetime. ``uid`` is unique per cache in the process: an
