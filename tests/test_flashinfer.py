@@ -475,3 +475,23 @@ def test_serves_says_exactly_which_calls_forward_computes_rather_than_refuses(na
                     pass
     assert len(verdicts) == 12
     assert all(served == ran for served, ran in verdicts), verdicts
+
+
+@needs_hopper
+@pytest.mark.parametrize(("variant", "padded_size", "uses_fmha_v2"), [
+    ("full", 32, False),  # the warm-up of a capture: FA2, as the capture
+    ("full", None, True),  # a full graph run uncaptured
+    ("piecewise", 32, True),  # attention between captured pieces is never captured
+])
+def test_fmha_v2_stays_out_of_full_graphs_at_capture_sizes(variant, padded_size, uses_fmha_v2, fmha_calls):
+    from fullcg.context import derived_context
+
+    flashinfer_impl()
+    b = batch("prefill", head_dim=128)
+    cfg = config("flashinfer")
+    with fullcg.forward_context(b.metadata, b.layer, config=cfg) as ctx:
+        with derived_context(ctx, config=cfg, variant=variant, padded_size=padded_size):
+            out = b.layer(b.q, b.k, b.v)
+    assert fmha_calls == (["attend_paged"] if uses_fmha_v2 else [])
+    expected_out, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)

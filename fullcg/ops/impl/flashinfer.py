@@ -443,7 +443,7 @@ class FlashInferAttention(AttentionImpl):
         if cache is not None and cache.k.dtype != q.dtype:
             return False
         shape, kind = self._shape_and_kind(call, cache)
-        fmha = self._fmha_v2_serves(call, ctx.metadata, shape, kind, cache)
+        fmha = self._fmha_v2_serves(call, ctx, shape, kind, cache)
         return self._skip_factor(call, ctx, cache, fmha)[1] is None
 
     # ------------------------------------------------------------------ running
@@ -469,7 +469,7 @@ class FlashInferAttention(AttentionImpl):
                             "allocate the cache in q's dtype")
         md = ctx.metadata
         shape, kind = self._shape_and_kind(call, cache)
-        fmha = self._fmha_v2_serves(call, md, shape, kind, cache)
+        fmha = self._fmha_v2_serves(call, ctx, shape, kind, cache)
         skip_factor, refusal = self._skip_factor(call, ctx, cache, fmha)
         if refusal is not None:
             raise refusal
@@ -537,11 +537,17 @@ class FlashInferAttention(AttentionImpl):
     # ------------------------------------------------------------------ FMHAv2
 
     def _fmha_v2_serves(
-        self, call: AttentionCall, md: AttentionMetadata, shape: _Shape, kind: _Kind, cache: KVCache | None
+        self, call: AttentionCall, ctx: ForwardContext, shape: _Shape, kind: _Kind, cache: KVCache | None
     ) -> bool:
         """Whether this call runs on FMHAv2 (the calls :mod:`fullcg.ops.impl.fmha_v2` lists)."""
         if not self.use_fmha_v2 or shape.dtype != torch.bfloat16:
             return False
+        # A full graph at a capture size is captured after one warm-up run, which must take
+        # the path the capture takes (it plans FA2 for the capture): attention between the
+        # pieces of a piecewise step is never captured.
+        if ctx.variant == "full" and ctx.padded_size is not None:
+            return False
+        md = ctx.metadata
         if kind[0] == "cache":
             if md.has_decode or call.return_lse or not fmha_v2.page_size_fits(md.page_size, shape.head_dim):
                 return False

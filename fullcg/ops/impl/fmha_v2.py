@@ -1,7 +1,9 @@
 """FlashInfer's FMHAv2 prefill (TensorRT-LLM's warp-specialised Hopper kernels) for the
 ``flashinfer`` implementation.
 
-It serves, on SM90 (Hopper) in bfloat16, steps that run outside CUDA-graph capture:
+It serves, on SM90 (Hopper) in bfloat16, attention that is never captured (eager steps,
+and the attention between the pieces of piecewise steps; a full graph at a capture size is
+captured after a warm-up run, which therefore stays on FA2 as the capture does):
 
 - attention over the KV cache of a batch of prefill and extend requests only (a decode
   row would take a whole tile per query head, where FA2 packs a KV head's query heads),
@@ -12,9 +14,9 @@ It serves, on SM90 (Hopper) in bfloat16, steps that run outside CUDA-graph captu
   divides, or is a multiple of, the kernel's KV tile;
 - attention over given k/v packed like q (``CONTIGUOUS_Q_KV``), with its LSE.
 
-Everything else (batches with decode requests, LSE over the cache, prefix chunks, fp16, captured
-steps) stays on the FlashAttention-2 wrappers. Capture is left out because FMHAv2 bakes
-the batch size, the longest query and q's row count into its launch.
+Everything else (batches with decode requests, LSE over the cache, prefix chunks, fp16,
+full graphs at capture sizes) stays on the FlashAttention-2 wrappers. Capture is left out
+because FMHAv2 bakes the batch size, the longest query and q's row count into its launch.
 
 Skip-softmax follows fullcg's rule, ``threshold = factor / kv_len`` per request, with two
 differences of granularity: a tile is 64 query rows of one head by one KV tile, decided by
