@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fullcg
+from fullcg.ops.attention import step_implementations
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl.auto import AutoAttention
 from fullcg.ops.impl.base import AttentionImpl
@@ -43,8 +44,9 @@ class Recording(AttentionImpl):
 
 
 def run(auto: AutoAttention, dtype: torch.dtype, layers: int = 1, use_kv_cache: bool = True,
-        **factors: float) -> None:
-    """One step of ``layers`` alike calls through ``auto``, as the ops make them."""
+        **factors: float) -> list[str]:
+    """One step of ``layers`` alike calls through ``auto``, as the ops make them; the
+    implementations a replay of this step would plan."""
     b = make_batch([3, 1], [0, 5], dtype=dtype)
     with torch.inference_mode(), fullcg.forward_context(b.metadata, b.layer) as ctx:
         cache = b.layer.kv_cache
@@ -56,23 +58,26 @@ def run(auto: AutoAttention, dtype: torch.dtype, layers: int = 1, use_kv_cache: 
             auto.save_kv(call, ctx, cache)
             auto.forward(call, ctx, cache if use_kv_cache else None)
             auto.step_plan(call, ctx, cache)
-        auto.plan(ctx)
+        for impl in step_implementations(ctx):
+            impl.plan(ctx)
+        return sorted(impl.name for impl in step_implementations(ctx))
 
 
-def test_dense_half_precision_calls_run_on_the_first_without_asking_it():
+def test_dense_half_precision_calls_run_on_the_first_without_asking_it_and_replays_plan_only_it():
     first, second = Recording("flashinfer", serves=False), Recording("triton")
-    run(AutoAttention(first, second), torch.bfloat16)
+    assert run(AutoAttention(first, second), torch.bfloat16) == ["flashinfer"]
     assert first.ran == ["save_kv", "forward", "step_plan", "plan"]
-    assert second.ran == ["plan"]
+    assert second.ran == []
 
 
 @pytest.mark.parametrize("serves", [True, False])
 def test_skip_softmax_calls_run_where_the_first_would_honour_the_factor_else_on_the_second(serves):
     first, second = Recording("flashinfer", serves=serves), Recording("triton")
-    run(AutoAttention(first, second), torch.bfloat16, decode=4.0)
+    planned = run(AutoAttention(first, second), torch.bfloat16, decode=4.0)
     chosen, other = (first, second) if serves else (second, first)
+    assert planned == [chosen.name]
     assert [step for step in chosen.ran if step != "serves"] == ["save_kv", "forward", "step_plan", "plan"]
-    assert [step for step in other.ran if step != "serves"] == ["plan"]
+    assert [step for step in other.ran if step != "serves"] == []
 
 
 @pytest.mark.parametrize("use_kv_cache", [True, False])

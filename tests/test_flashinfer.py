@@ -495,3 +495,26 @@ def test_fmha_v2_stays_out_of_full_graphs_at_capture_sizes(variant, padded_size,
     assert fmha_calls == (["attend_paged"] if uses_fmha_v2 else [])
     expected_out, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
     torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
+
+
+@needs_gpu
+def test_a_full_graph_at_a_capture_size_counts_the_decode_factor_even_when_captured_on_a_prefill_batch(fmha_calls):
+    """Such a graph also replays mixed batches, whose decode rows need the decode factor:
+    FlashInfer, which would bake them dense, refuses; ``auto`` runs the call on Triton."""
+    from fullcg.context import derived_context
+
+    pytest.importorskip("triton")
+    flashinfer_impl()
+    b = batch("prefill", head_dim=128)
+    expected_out, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    for impl in ("flashinfer", "auto"):
+        cfg = config(impl, decode_scale_factor=4.0)
+        with fullcg.forward_context(b.metadata, b.layer, config=cfg) as ctx:
+            with derived_context(ctx, config=cfg, variant="full", padded_size=32):
+                if impl == "flashinfer":
+                    with pytest.raises(ValueError, match="attention_impl='triton'"):
+                        b.layer(b.q, b.k, b.v)
+                else:
+                    out = b.layer(b.q, b.k, b.v)
+                    torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
+    assert fmha_calls == []

@@ -105,7 +105,8 @@ def step_implementation(ctx: ForwardContext, device: torch.device, head_dim: int
 
 
 def step_implementations(ctx: ForwardContext) -> tuple[AttentionImpl, ...]:
-    """Every implementation this step's attention calls resolved, once each."""
+    """Every implementation this step's attention calls resolved, and those a composite
+    (``auto``) ran them on, once each: what replays of a captured step plan."""
     found = [v for k, v in ctx.memo.items() if isinstance(k, tuple) and k and k[0] == "impl"]
     return tuple({id(i): i for i in found}.values())
 

@@ -14,7 +14,9 @@ being captured, never on timing. It is made once per step for calls alike (the r
 the step's layers look it up), so saving and attending always run on the same
 implementation, and a captured graph replays what was chosen at capture: under capture a
 skip-softmax call goes to Triton whatever the batch kind, since FlashInfer honours no
-factor there.
+factor there. (A full graph's warm-up run before its capture counts as captured: it must
+choose what the capture chooses.) Replays of a captured graph plan only the
+implementations its calls ran.
 """
 
 from __future__ import annotations
@@ -40,11 +42,16 @@ class AutoAttention(AttentionImpl):
         self.flashinfer = flashinfer
         self.triton = triton
         self.capture_safe = flashinfer.capture_safe and triton.capture_safe
+        # Memo keys under which a step records what it ran, as the ops record resolved
+        # implementations: a captured graph's replays plan what it ran, not both.
+        self._ran = {impl: ("impl", "auto", impl.name) for impl in (flashinfer, triton)}
 
     def choose(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> AttentionImpl:
         """The implementation that runs ``call`` (``cache``: the layer's cache, when it has one)."""
         if call.prefill_scale_factor is None and call.decode_scale_factor is None and call.q.dtype in _HALF:
-            return self.flashinfer  # dense half-precision calls: the common case, decided without probing
+            # Dense half-precision calls, the common case: decided without probing.
+            ctx.memo[self._ran[self.flashinfer]] = self.flashinfer
+            return self.flashinfer
         attends_cache = cache if call.use_kv_cache else None
         key = ("auto", call.op, call.use_kv_cache, call.causal, call.prefix_chunk, call.return_lse,
                call.key_value_num_tokens, call.prefill_scale_factor, call.decode_scale_factor, call.q.dtype,
@@ -55,6 +62,7 @@ class AutoAttention(AttentionImpl):
         if chosen is None:
             serves = self.flashinfer.serves(call, ctx, attends_cache)
             chosen = ctx.memo[key] = self.flashinfer if serves else self.triton
+            ctx.memo[self._ran[chosen]] = chosen
         return chosen
 
     def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
@@ -71,5 +79,5 @@ class AutoAttention(AttentionImpl):
         return self.flashinfer.supports(head_dim, v_head_dim) or self.triton.supports(head_dim, v_head_dim)
 
     def plan(self, ctx: ForwardContext) -> None:
-        self.flashinfer.plan(ctx)
-        self.triton.plan(ctx)
+        """Nothing: the step's memo names what its calls ran (:func:`fullcg.ops.attention.step_implementations`
+        returns those too), and replays plan only those."""

@@ -131,8 +131,16 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _in_captured_graph(ctx: ForwardContext) -> bool:
+    """The call is being captured, or is the warm-up run of a full graph about to be
+    captured (which must choose what the capture chooses): a full graph at a capture size."""
+    return _capturing() or (ctx.variant == "full" and ctx.padded_size is not None)
+
+
 def _padded_size(ctx: ForwardContext) -> int | None:
     """The capture size this batch is padded to, or None when it runs uncaptured."""
+    if ctx.padded_size is not None:  # the runner's (sizes its graph's guards admit)
+        return ctx.padded_size
     n = ctx.metadata.num_tokens
     for size in ctx.config.sizes_to_capture:
         if size >= n:
@@ -397,9 +405,11 @@ class FlashInferAttention(AttentionImpl):
         error that refuses, rather than ignores, a factor FlashInfer would not honour.
         ``fmha``: the call runs on FMHAv2."""
         md = ctx.metadata
-        # The factors this batch's requests use: prefill's for prefill/extend, decode's for decode.
+        captured = _in_captured_graph(ctx)
+        # The factors this batch's requests use: prefill's for prefill/extend, decode's for
+        # decode. A captured graph that is not decode-only also replays mixed batches: both.
         wanted = ([] if md.is_decode_only else [call.prefill_scale_factor]) + (
-            [call.decode_scale_factor] if md.has_decode else [])
+            [call.decode_scale_factor] if md.has_decode or (captured and not md.is_decode_only) else [])
         factors = {f for f in wanted if f is not None}
         if not factors:
             return None, None
@@ -427,7 +437,7 @@ class FlashInferAttention(AttentionImpl):
                 f"for decode ones, but FlashInfer takes one factor per call; {alternative}, or run decode and "
                 "prefill in separate steps"
             )
-        if _capturing():
+        if captured:
             return None, RuntimeError(
                 f"{where}: skip-softmax with the trtllm-gen backend is not CUDA-graph safe here; run these steps "
                 "uncaptured (graph_mode='none' or 'piecewise')")
@@ -545,7 +555,7 @@ class FlashInferAttention(AttentionImpl):
         # A full graph at a capture size is captured after one warm-up run, which must take
         # the path the capture takes (it plans FA2 for the capture): attention between the
         # pieces of a piecewise step is never captured.
-        if ctx.variant == "full" and ctx.padded_size is not None:
+        if _in_captured_graph(ctx):
             return False
         md = ctx.metadata
         if kind[0] == "cache":
@@ -561,7 +571,7 @@ class FlashInferAttention(AttentionImpl):
             return False
         if shape.head_dim != shape.v_head_dim or shape.head_dim not in fmha_v2.HEAD_DIMS:
             return False
-        if shape.num_qo_heads % shape.num_kv_heads or _capturing():
+        if shape.num_qo_heads % shape.num_kv_heads:
             return False
         return fmha_v2.available(shape.device.index or 0)
 
