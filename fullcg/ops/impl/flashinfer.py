@@ -134,7 +134,7 @@ def _capturing() -> bool:
 def _in_captured_graph(ctx: ForwardContext) -> bool:
     """The call is being captured, or is the warm-up run of a full graph about to be
     captured (which must choose what the capture chooses): a full graph at a capture size."""
-    return _capturing() or (ctx.variant == "full" and ctx.padded_size is not None)
+    return (ctx.variant == "full" and ctx.padded_size is not None) or _capturing()
 
 
 def _padded_size(ctx: ForwardContext) -> int | None:
@@ -404,6 +404,8 @@ class FlashInferAttention(AttentionImpl):
         """The skip-softmax factor to pass to FlashInfer (None: dense attention), or the
         error that refuses, rather than ignores, a factor FlashInfer would not honour.
         ``fmha``: the call runs on FMHAv2."""
+        if call.prefill_scale_factor is None and call.decode_scale_factor is None:
+            return None, None  # dense: decided before the capture check, on every call of a dense step
         md = ctx.metadata
         captured = _in_captured_graph(ctx)
         # The factors this batch's requests use: prefill's for prefill/extend, decode's for
@@ -552,11 +554,6 @@ class FlashInferAttention(AttentionImpl):
         """Whether this call runs on FMHAv2 (the calls :mod:`fullcg.ops.impl.fmha_v2` lists)."""
         if not self.use_fmha_v2 or shape.dtype != torch.bfloat16:
             return False
-        # A full graph at a capture size is captured after one warm-up run, which must take
-        # the path the capture takes (it plans FA2 for the capture): attention between the
-        # pieces of a piecewise step is never captured.
-        if _in_captured_graph(ctx):
-            return False
         md = ctx.metadata
         if kind[0] == "cache":
             if md.has_decode or call.return_lse or not fmha_v2.page_size_fits(md.page_size, shape.head_dim):
@@ -572,6 +569,11 @@ class FlashInferAttention(AttentionImpl):
         if shape.head_dim != shape.v_head_dim or shape.head_dim not in fmha_v2.HEAD_DIMS:
             return False
         if shape.num_qo_heads % shape.num_kv_heads:
+            return False
+        # Last, being the dearest check (decode steps leave above): a full graph at a capture
+        # size is captured after one warm-up run, which must take the path the capture takes
+        # (it plans FA2 for the capture); attention between pieces is never captured.
+        if _in_captured_graph(ctx):
             return False
         return fmha_v2.available(shape.device.index or 0)
 
