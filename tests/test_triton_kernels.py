@@ -42,6 +42,7 @@ BATCHES = {
     "prefill": ([21, 9], [0, 0]),
     "extend": ([7, 12], [40, 23]),
     "decode": ([1, 1, 1], [70, 5, 33]),
+    "long_decode": ([1, 1], [700, 130]),
     "mixed": ([13, 1, 6, 1], [0, 50, 37, 16]),
 }
 HEADS = {"gqa2": (4, 2), "gqa4": (4, 1)}
@@ -188,6 +189,18 @@ def test_dense_decode_spread_over_many_sms_matches_the_reference(monkeypatch, us
     monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: 132)
     assert_same(batch("mixed"), SkipSoftmaxConfig(**TILES), use_kv_cache=use_kv_cache)
     assert_same(batch("decode"), SkipSoftmaxConfig(**TILES), use_kv_cache=use_kv_cache)
+
+
+def test_dense_decode_runs_of_a_long_request_are_at_least_a_fraction_of_sqrt_tiles(monkeypatch):
+    # With 132 SMs the grid has room for 64 runs per request; the 44- and 9-tile requests
+    # are cut into runs of at least 0.4 * sqrt(tiles) tiles instead (2 and 1 tiles), and
+    # still merge to the reference.
+    monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: 132)
+    b = batch("long_decode")
+    ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
+    out, lse = _decode_kernel(b, num_splits=None)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
 def test_decode_rows_past_the_real_token_count_are_zero():

@@ -53,6 +53,27 @@ MAX_DENSE_SPLITS = 64
 MERGE_RUNS_PER_LOAD = 1
 
 
+#: Dense decode's launch, tuned on an H200 over 64q/4kv and 32q/8kv heads of 128, batch
+#: 1-64, contexts 1k-64k (``benchmarks/decode_sweep.py``; docs/benchmarks.md): KV tiles of
+#: 128 keys where a tile of k and v fits (2-byte elements, head dim at most 128), at most
+#: two programs per SM, and runs of at least ``DENSE_MIN_RUN_SCALE * sqrt(tiles)`` tiles.
+#: Dense results do not depend on the tiling (only on rounding), so these are free to tune;
+#: skip-softmax decode keeps the configured tile, which is the unit its rule skips.
+DENSE_TILE_KV = 128
+DENSE_PROGRAMS_PER_SM = 2
+DENSE_MIN_RUN_SCALE = 0.4
+
+
+def _dense_tile_kv(q: torch.Tensor, k: torch.Tensor, head_dim: int, head_dim_v: int, tile_kv: int) -> int:
+    """Keys per tile for dense decode: :data:`DENSE_TILE_KV` on a GPU where it fits, else ``tile_kv``.
+
+    The CPU interpreter keeps the configured tile, so its tests walk several tiles per run.
+    """
+    if q.device.type != "cuda" or k.element_size() > 2 or max(head_dim, head_dim_v) > 128:
+        return tile_kv
+    return max(tile_kv, DENSE_TILE_KV)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -61,11 +82,18 @@ def _sm_count(device: torch.device) -> int:
 
 
 @triton.jit
-def _split_tiles(n_tiles, num_splits, SPLIT_TILES: tl.constexpr):
-    """Tiles per run: fixed (SPLIT_TILES > 0) or the request's tiles over ``num_splits`` runs."""
+def _split_tiles(n_tiles, num_splits, min_run_scale, SPLIT_TILES: tl.constexpr):
+    """Tiles per run: fixed (SPLIT_TILES > 0) or the request's tiles over ``num_splits`` runs.
+
+    A dense run is also at least ``min_run_scale * sqrt(n_tiles)`` tiles: a request's time
+    is its longest run's tile loop plus the merge's loop over runs, smallest near
+    ``sqrt(n_tiles)`` runs, so a short request is not cut into one-tile runs just because
+    the grid has room for them.
+    """
     if SPLIT_TILES > 0:
         return n_tiles * 0 + SPLIT_TILES
-    return tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
+    floor = (min_run_scale * tl.sqrt(n_tiles.to(tl.float32))).to(tl.int32)
+    return tl.maximum(tl.maximum(tl.cdiv(n_tiles, num_splits), floor), 1)
 
 
 @triton.jit
@@ -91,7 +119,7 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_ps, stride_pr,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
-    qk_scale2, factor, num_splits, num_requests, num_rows, num_kv_heads,
+    qk_scale2, factor, num_splits, min_run_scale, num_requests, num_rows, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
     BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SKIP: tl.constexpr, DOT_F32: tl.constexpr, SAVE: tl.constexpr,
@@ -122,7 +150,7 @@ def _decode_kernel(
         kv_start = tl.load(KvLoc + req)
         kv_len = tl.load(KvLoc + req + 1) - kv_start
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    split_tiles = _split_tiles(n_tiles, num_splits, SPLIT_TILES)
+    split_tiles = _split_tiles(n_tiles, num_splits, min_run_scale, SPLIT_TILES)
     # At most the grid's runs (more only with keys past max_kv_len, which metadata refuses):
     # a run counted here but never launched would leave its arrival count short for good.
     n_splits = tl.minimum(tl.cdiv(n_tiles, split_tiles), tl.num_programs(0))
@@ -290,6 +318,11 @@ def plan_decode(
     save = slot_mapping is not None
     if save and (not src.paged or new_kv is None):
         raise ValueError("saving new k/v in the decode kernel needs the paged cache and new_kv=(k, v)")
+    min_run_scale = 0.0
+    if not skip and split_tiles is None:
+        tile_kv = _dense_tile_kv(q, k, head_dim, head_dim_v, tile_kv)
+        if num_splits is None:
+            min_run_scale = DENSE_MIN_RUN_SCALE
     max_tiles = max(1, triton.cdiv(max_kv_len, tile_kv))
     if skip or split_tiles is not None:
         # Runs of a fixed number of tiles: the skip rule's "first tile of a run" depends on
@@ -302,9 +335,11 @@ def plan_decode(
     else:
         # Dense: a fixed number of runs per request, each request's own length divided on
         # the device. Enough programs to give every SM work at small batch (few KV heads
-        # would otherwise leave most of the GPU idle), sized from shapes only.
+        # would otherwise leave most of the GPU idle), sized from shapes only, and never
+        # more than fit in one wave: a second wave of a few programs costs as long as the
+        # first (9 runs instead of 8 was 1.5x slower at 4 KV heads, batch 8).
         if num_splits is None:
-            num_splits = triton.cdiv(2 * _sm_count(q.device), num_kv_heads * max(1, num_requests))
+            num_splits = DENSE_PROGRAMS_PER_SM * _sm_count(q.device) // (num_kv_heads * max(1, num_requests))
         num_splits = max(1, min(num_splits, max_tiles, MAX_DENSE_SPLITS))
         split_tiles = 0
         max_splits = num_splits
@@ -337,7 +372,8 @@ def plan_decode(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
         *src.strides, src.stride_page_table,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        scale * _LOG2E, float(factor) if skip else 0.0, num_splits, num_requests, q.shape[0], num_kv_heads,
+        scale * _LOG2E, float(factor) if skip else 0.0, num_splits, min_run_scale, num_requests, q.shape[0],
+        num_kv_heads,
     )
     constexprs = (group, block_m, tile_kv, split_tiles, MERGE_RUNS_PER_LOAD, head_dim, head_dim_v, src.paged,
                   src.page_size, skip, q.dtype == torch.float32, save)
