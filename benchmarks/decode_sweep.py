@@ -105,10 +105,15 @@ def sweep_shape(hq: int, hkv: int, batch: int, context: int, args) -> dict:
                 continue
             variants.append(dict(tile_kv=tile_kv, num_splits=num_splits, num_warps=warps, num_stages=stages, us=us,
                                  tbps=kv_bytes / us / 1e6))
+    # The plan's defaults again, last: the first timing of a shape ran up to 14% slow on the
+    # H200 at 16 GB of cache (the same config timed later in the sweep was faster), so the
+    # reported default is the later of the two, and both are kept.
+    first_default_us = default_us
+    default_us = time_us(lambda: default(q, k, v, out, lse, None), repeats=args.repeats)
     best = min((r for r in variants if "us" in r), key=lambda r: r["us"])
     return dict(heads=[hq, hkv], batch=batch, context=context, page=page, kv_bytes=kv_bytes,
                 sdpa_us=sdpa_us, sdpa_tbps=kv_bytes / sdpa_us / 1e6, default_us=default_us,
-                default_tbps=kv_bytes / default_us / 1e6, default_rel_err=err, best=best, variants=variants)
+                default_tbps=kv_bytes / default_us / 1e6, default_rel_err=err, first_default_us=first_default_us, best=best, variants=variants)
 
 
 def main() -> None:
