@@ -221,8 +221,11 @@ def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float
     ctr = torch.zeros(2, 2, dtype=torch.int64, device=dev)
 
     def ours(factor):
+        # Dense is the implementation's dense plan (its own tiles and split count); the
+        # split into runs of --decode-split tiles is the skip rule's, so only skipping uses it.
+        split = args.decode_split if factor is not None else None
         return lambda: decode_attention(q, k_cache, v_cache, out, lse, ctr, scale=1 / math.sqrt(HEAD_DIM),
-                                        factor=factor, tile_kv=args.decode_tile_kv, split_tiles=args.decode_split,
+                                        factor=factor, tile_kv=args.decode_tile_kv, split_tiles=split,
                                         max_kv_len=n, **meta)
 
     kv_bytes = 2 * batch * n * hkv * HEAD_DIM * 2
