@@ -16,7 +16,9 @@ other program) has to order itself after the write.
 
 Dense decode (no skip factor, no configured split) splits every request's keys into a
 fixed *number* of runs, sized on the device from the request's own length: a CUDA graph
-captured against a large cache capacity still spreads a short context over the SMs.
+captured against a large cache capacity still spreads a short context over the SMs
+(never into runs shorter than ``DENSE_MIN_RUN_SCALE * sqrt(tiles)``, where the merge's walk
+over the runs would cost more than the runs save).
 Skip-softmax decode splits into runs of a fixed number of *tiles* (the skip rule's unit),
 so its grid is sized from the capacity and programs past a request's splits exit at once.
 
