@@ -43,6 +43,7 @@ _T0 = time.perf_counter()
 _T0_WALL = time.time()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -147,16 +148,20 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     compiled = fullcg.compile(model, config)
     phase("torch_compile_s")  # with a compiler, torch.compile imports Dynamo here
     timers: Counter[str] = Counter()
+    kernels: dict[str, Counter[str]] = {"first_prefill": Counter(), "capture_and_first_decode": Counter()}
     _instrument(timers)
+    _instrument_triton(timers, kernels)
+    profiler = _Profiler(args.profile_out)
     prompts = [[(7 * r + i) % cfg.vocab_size for i in range(args.prompt_len)] for r in range(args.batch)]
     sched = Scheduler(prompts, new_tokens, num_pages=num_pages, page_size=PAGE, device=device)
     with torch.inference_mode():
         step = sched.next_step()
         assert step is not None and not step.metadata.is_decode_only
-        with fullcg.forward_context(step.metadata, model, config=config):
+        with profiler("first_prefill"), fullcg.forward_context(step.metadata, model, config=config):
             logits = compiled(step.input_ids, step.positions)
-        sync()
+            sync()
         phase("first_prefill_s")
+        kernels["phase"] = kernels["capture_and_first_decode"]  # where _instrument_triton counts from here on
         # Bookkeeping, left out of every phase: Dynamo's frames so far (none without Dynamo).
         prefill_frames = _dynamo_frames()
         sched.commit(step, logits)
@@ -164,8 +169,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         step = sched.next_step()
         assert step is not None and step.metadata.is_decode_only
         # Captures every capture size, then runs this decode step as a replay.
-        logits = fullcg.capture(compiled, step.metadata, model, step.input_ids, step.positions)
-        sync()
+        with profiler("capture_and_first_decode"):
+            logits = fullcg.capture(compiled, step.metadata, model, step.input_ids, step.positions)
+            sync()
         phase("capture_and_first_decode_s")
         decode_captured = any(k.endswith(":captured") for k in fullcg.graph_mode_counts())
         sched.commit(step, logits)
@@ -204,6 +210,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "fullcg_cache": dict(fullcg.compile_cache.cache_stats()),
         "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
         "steps": dict(fullcg.graph_mode_counts()),
+        # Triton kernels compiled (or loaded from Triton's cache) per phase, by kernel name.
+        "triton_kernels": {k: dict(v) for k, v in kernels.items() if k != "phase"},
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -245,6 +253,59 @@ def _instrument(timers: Counter[str]) -> None:
         setattr(owner, name, timed)
 
 
+def _instrument_triton(timers: Counter[str], kernels: dict[str, Counter[str]]) -> None:
+    """Count and time Triton's JIT compiles (a miss in the JIT's in-memory cache: a compile, or
+    a load from Triton's disk cache), by kernel name, into ``kernels["phase"]``."""
+    kernels["phase"] = kernels["first_prefill"]
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    original = getattr(JITFunction, "_do_compile", None)
+    if original is None:  # another Triton: not counted
+        return
+
+    @functools.wraps(original)
+    def timed(self: Any, *a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            timers["triton_jit_s"] += time.perf_counter() - start
+            kernels["phase"][getattr(self, "__name__", "?")] += 1
+
+    JITFunction._do_compile = timed
+
+
+class _Profiler:
+    """``with profiler("phase"):`` profiles that phase with cProfile into ``<prefix>_<phase>.txt``
+    (the 60 costliest functions by cumulative and by own time); does nothing without a prefix."""
+
+    def __init__(self, prefix: str | None) -> None:
+        self.prefix = prefix
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Any:
+        if not self.prefix:
+            yield
+            return
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+            out = io.StringIO()
+            stats = pstats.Stats(prof, stream=out)
+            stats.sort_stats("cumulative").print_stats(60)
+            stats.sort_stats("tottime").print_stats(60)
+            Path(f"{self.prefix}_{name}.txt").write_text(out.getvalue())
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -266,7 +327,8 @@ def _triton_version() -> str | None:
 # ---------------------------------------------------------------------------- the driver
 
 
-def _spawn(args: argparse.Namespace, device: str, model: str, compiler: str, dirs: Path) -> dict[str, Any]:
+def _spawn(args: argparse.Namespace, device: str, model: str, compiler: str, dirs: Path,
+           profile_out: str | None = None) -> dict[str, Any]:
     """Run one worker process on cache directories under ``dirs``; its figures."""
     env = dict(os.environ)
     env.update({
@@ -282,6 +344,7 @@ def _spawn(args: argparse.Namespace, device: str, model: str, compiler: str, dir
         "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
         *(["--layers", str(args.layers)] if args.layers else []),
         "--capture-sizes", *map(str, args.capture_sizes),
+        *(["--profile-out", profile_out] if profile_out else []),
         # An implementation named for the main device (triton) would not run the CPU measurement.
         *(["--attention-impl", args.attention_impl] if args.attention_impl and device == args.device else []),
     ]
@@ -314,7 +377,11 @@ def _measure(args: argparse.Namespace, device: str, model: str) -> dict[str, Any
                 dirs = kept.get(WARM_OF.get(kind, ""))
                 if dirs is None:
                     dirs = kept[kind] = Path(tempfile.mkdtemp(prefix="fullcg-startup-"))
-                run = _spawn(args, device, model, COMPILER_OF[kind], dirs)
+                profile_out = None
+                if args.profile_dir:
+                    Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+                    profile_out = str(Path(args.profile_dir) / f"{device}_{model}_{kind}_{repeat}")
+                run = _spawn(args, device, model, COMPILER_OF[kind], dirs, profile_out)
                 if "unsupported" in run:
                     unsupported[kind] = run["unsupported"]
                     print(f"{device}/{model} {kind}: not measured: {run['unsupported']}", flush=True)
@@ -404,7 +471,11 @@ def main() -> None:
     ap.add_argument("--cpu-tiny", action="store_true", help="also measure the tiny model on this machine's CPU")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one worker process may take")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--profile-dir", default=None,
+                    help="profile each worker's first prefill and capture with cProfile into text files here "
+                         "(the profiler slows Python-heavy phases: time without it)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--compiler", default="inductor", help=argparse.SUPPRESS)
     ap.add_argument("--spawn-time", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
