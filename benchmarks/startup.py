@@ -211,7 +211,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
         "steps": dict(fullcg.graph_mode_counts()),
         # Triton kernels compiled (or loaded from Triton's cache) per phase, by kernel name.
-        "triton_kernels": {k: dict(v) for k, v in kernels.items() if k != "phase"},
+        "triton_kernels": {k: dict(v) for k, v in kernels.items() if k not in ("phase", "keys")},
+        "triton_specialisations": sorted(kernels.get("keys", {})),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -266,13 +267,17 @@ def _instrument_triton(timers: Counter[str], kernels: dict[str, Counter[str]]) -
         return
 
     @functools.wraps(original)
-    def timed(self: Any, *a: Any, **k: Any) -> Any:
+    def timed(self: Any, key: Any, signature: Any, device: Any, constexprs: Any, options: Any, attrs: Any,
+              *a: Any, **k: Any) -> Any:
         start = time.perf_counter()
         try:
-            return original(self, *a, **k)
+            return original(self, key, signature, device, constexprs, options, attrs, *a, **k)
         finally:
             timers["triton_jit_s"] += time.perf_counter() - start
-            kernels["phase"][getattr(self, "__name__", "?")] += 1
+            name = getattr(self, "__name__", "?")
+            kernels["phase"][name] += 1
+            # What tells this specialisation from the kernel's others: its constants and attributes.
+            kernels.setdefault("keys", Counter())[f"{name} {sorted(constexprs.items())} {sorted(attrs.items())}"] += 1
 
     JITFunction._do_compile = timed
 
