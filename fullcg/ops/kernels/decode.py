@@ -113,8 +113,14 @@ def _store_empty_row(Out, Lse, row, head, offs_dv, g_ok, stride_ot, stride_oh, s
                tl.full([BLOCK_M], float("-inf"), tl.float32), g_ok, stride_ot, stride_oh, stride_lt)
 
 
-# Counts that change with the batch are not specialised on: no recompile per batch size.
-@triton.jit(do_not_specialize=["num_splits", "num_requests", "num_rows"])
+# What changes from step to step is not specialised on, so a new batch, capture size or
+# page-table width is the same compiled kernel (each new one is a second of compile at
+# startup): the counts, the page table's row stride (1 for a one-page table) and the
+# addresses of the metadata vectors (a captured graph's are views into one buffer at
+# offsets that follow its capture size; read a scalar at a time, alignment buys nothing).
+@triton.jit(do_not_specialize=["num_splits", "num_requests", "num_rows", "stride_pt"],
+            do_not_specialize_on_alignment=["Sem", "Slots", "PageTable", "QLoc", "KvLoc", "SeqLens", "IsDecode",
+                                            "NumTokens"])
 def _decode_kernel(
     Q, K, V, Out, Lse, Ctr, KNew, VNew,
     PartOut, PartLse, Sem, Slots, PageTable, QLoc, KvLoc, SeqLens, IsDecode, NumTokens,

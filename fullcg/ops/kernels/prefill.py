@@ -26,7 +26,10 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
-@triton.jit
+# Not specialised on what changes from step to step (see the decode kernel): the page
+# table's row stride and the addresses of the step's metadata vectors.
+@triton.jit(do_not_specialize=["stride_pt"],
+            do_not_specialize_on_alignment=["PageTable", "QLoc", "KvLoc", "SeqLens", "PrefixLens", "IsDecode"])
 def _prefill_kernel(
     Q, K, V, Out, Lse, Ctr,
     PageTable, QLoc, KvLoc, SeqLens, PrefixLens, IsDecode,
