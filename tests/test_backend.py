@@ -13,6 +13,7 @@ from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
 from fullcg.passes import AttributesPass, BreakablePass, PassManager
 from batches import side_by_side
+from conftest import FULLCG_INSTALLED
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7], list(range(20, 33))]
 SKIP = fullcg.SkipSoftmaxConfig(prefill_scale_factor=2.0, decode_scale_factor=1.5, tile_kv=4, tile_q=2)
@@ -93,6 +94,14 @@ def test_decode_only_batches_run_the_full_graph_in_full_and_piecewise_mode():
     counts = fullcg.runner.graph_mode_counts()
     decode_only = sum(1 for m in modes if m == {"decode"})
     assert counts == {"full:eager": decode_only, "piecewise:eager": len(modes) - decode_only}
+
+
+@pytest.mark.skipif(not FULLCG_INSTALLED, reason="fullcg is not installed here (pip install -e .): its entry point "
+                    "is what makes backend='fullcg' known to torch.compile")
+def test_the_backend_name_comes_from_the_package_entry_point():
+    torch._dynamo.reset()
+    assert "fullcg" in torch._dynamo.list_backends(exclude_tags=())
+    assert torch._dynamo.lookup_backend("fullcg") is fullcg.backend.fullcg_backend
 
 
 def test_backend_by_name_reads_options():
