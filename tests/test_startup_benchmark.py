@@ -32,7 +32,7 @@ def test_the_startup_benchmark_times_fresh_processes_and_writes_the_results_shap
     assert abs(sum(run[p] for p in phases) - run["startup_s"]) < 1e-6
     # Without a compiler nothing of Dynamo runs; the reference implementation compiles no Triton kernel.
     assert run["frames_compiled"] == 0 and run["torch_compile_s"] < 0.05
-    assert run["triton_kernels"] == {"first_prefill": {}, "capture_and_first_decode": {}}
+    assert run["triton_kernels"] == {"first_prefill": {}, "capture_and_first_decode": {}, "second_decode": {}}
     assert set(result["breakdown"]) == {"no_compiler", "no_compiler_warm"}
     # --profile-dir: one profile per process and phase, each naming the phase's entry point.
     names = sorted(p.name for p in profiles.iterdir())
