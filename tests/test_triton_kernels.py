@@ -158,7 +158,7 @@ def test_decode_without_a_configured_split_walks_all_keys_in_one_run():
     assert_same(b, SkipSoftmaxConfig(decode_scale_factor=4.0, **TILES))
 
 
-def _decode_kernel(b: Batch, num_splits: int | None, num_tokens: int | None = None):
+def _decode_kernel(b: Batch, num_splits: int | None, num_tokens: int | None = None, workspace: dict | None = None):
     """``(out, lse)`` of the dense decode kernel called directly on ``b``'s cache."""
     md, cache = b.metadata, b.layer.kv_cache
     out = torch.full_like(b.q, float("nan"))
@@ -168,7 +168,7 @@ def _decode_kernel(b: Batch, num_splits: int | None, num_tokens: int | None = No
         b.q, cache.k, cache.v, out, lse, None, query_start_loc=md.query_start_loc, is_decode=md.is_decode,
         scale=b.layer.scale, factor=None, tile_kv=TILES["tile_kv"], split_tiles=None,
         max_kv_len=md.page_table.shape[1] * cache.page_size, page_table=md.page_table, seq_lens=md.seq_lens,
-        num_tokens=n, num_splits=num_splits,
+        num_tokens=n, num_splits=num_splits, workspace=workspace,
     )
     return out, lse
 
@@ -193,12 +193,18 @@ def test_dense_decode_spread_over_many_sms_matches_the_reference(monkeypatch, us
 
 def test_dense_decode_runs_of_a_long_request_are_at_least_a_fraction_of_sqrt_tiles(monkeypatch):
     # With 132 SMs the grid has room for 64 runs per request; the 44- and 9-tile requests
-    # are cut into runs of at least 0.4 * sqrt(tiles) tiles instead (2 and 1 tiles), and
-    # still merge to the reference.
+    # are cut into runs of at least 0.4 * sqrt(tiles) tiles instead (2 and 1 tiles: 22 and
+    # 9 runs, where one run per tile would be 44 and 9), and still merge to the reference.
     monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: 132)
     b = batch("long_decode")
     ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
-    out, lse = _decode_kernel(b, num_splits=None)
+    workspace: dict = {}
+    _decode_kernel(b, num_splits=None, workspace=workspace)
+    (part_out, part_lse, arrivals), = workspace.values()
+    part_lse.fill_(float("nan"))  # every run the next launch writes becomes a number
+    out, lse = _decode_kernel(b, num_splits=None, workspace=workspace)
+    runs = (~part_lse.isnan()).all(dim=2).sum(dim=1)
+    assert runs.tolist() == [22, 9]
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
