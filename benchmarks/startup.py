@@ -148,10 +148,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     compiled = fullcg.compile(model, config)
     phase("torch_compile_s")  # with a compiler, torch.compile imports Dynamo here
     timers: Counter[str] = Counter()
-    kernels: dict[str, Counter[str]] = {
-        "first_prefill": Counter(), "capture_and_first_decode": Counter(), "second_decode": Counter()}
+    compiles = _TritonCompiles(("first_prefill", "capture_and_first_decode", "second_decode"))
     _instrument(timers)
-    _instrument_triton(timers, kernels)
+    compiles.install(timers)
     profiler = _Profiler(args.profile_out)
     prompts = [[(7 * r + i) % cfg.vocab_size for i in range(args.prompt_len)] for r in range(args.batch)]
     sched = Scheduler(prompts, new_tokens, num_pages=num_pages, page_size=PAGE, device=device)
@@ -162,7 +161,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             logits = compiled(step.input_ids, step.positions)
             sync()
         phase("first_prefill_s")
-        kernels["phase"] = kernels["capture_and_first_decode"]  # where _instrument_triton counts from here on
+        compiles.phase = "capture_and_first_decode"
         # Bookkeeping, left out of every phase: Dynamo's frames so far (none without Dynamo).
         prefill_frames = _dynamo_frames()
         sched.commit(step, logits)
@@ -178,7 +177,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         sched.commit(step, logits)
         step = sched.next_step()
         assert step is not None
-        kernels["phase"] = kernels["second_decode"]
+        compiles.phase = "second_decode"
         mark = time.perf_counter()
         with fullcg.forward_context(step.metadata, model, config=config):
             compiled(step.input_ids, step.positions)
@@ -213,8 +212,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
         "steps": dict(fullcg.graph_mode_counts()),
         # Triton kernels compiled (or loaded from Triton's cache) per phase, by kernel name.
-        "triton_kernels": {k: dict(v) for k, v in kernels.items() if k not in ("phase", "keys")},
-        "triton_specialisations": sorted(kernels.get("keys", {})),
+        "triton_kernels": {phase: dict(names) for phase, names in compiles.by_phase.items()},
+        "triton_specialisations": sorted(compiles.specialisations),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -256,32 +255,39 @@ def _instrument(timers: Counter[str]) -> None:
         setattr(owner, name, timed)
 
 
-def _instrument_triton(timers: Counter[str], kernels: dict[str, Counter[str]]) -> None:
-    """Count and time Triton's JIT compiles (a miss in the JIT's in-memory cache: a compile, or
-    a load from Triton's disk cache), by kernel name, into ``kernels["phase"]``."""
-    kernels["phase"] = kernels["first_prefill"]
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return
-    original = getattr(JITFunction, "_do_compile", None)
-    if original is None:  # another Triton: not counted
-        return
+class _TritonCompiles:
+    """Triton's JIT compiles (a miss in the JIT's in-memory cache: a compile, or a load from
+    Triton's disk cache), counted by kernel name into the current ``phase``, with each
+    specialisation's constants and attributes (what tells it from the kernel's others)."""
 
-    @functools.wraps(original)
-    def timed(self: Any, key: Any, signature: Any, device: Any, constexprs: Any, options: Any, attrs: Any,
-              *a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
+    def __init__(self, phases: tuple[str, ...]) -> None:
+        self.by_phase: dict[str, Counter[str]] = {name: Counter() for name in phases}
+        self.phase = phases[0]
+        self.specialisations: set[str] = set()
+
+    def install(self, timers: Counter[str]) -> None:
+        """Wrap Triton's compile entry; its time goes to ``timers["triton_jit_s"]``."""
         try:
-            return original(self, key, signature, device, constexprs, options, attrs, *a, **k)
-        finally:
-            timers["triton_jit_s"] += time.perf_counter() - start
-            name = getattr(self, "__name__", "?")
-            kernels["phase"][name] += 1
-            # What tells this specialisation from the kernel's others: its constants and attributes.
-            kernels.setdefault("keys", Counter())[f"{name} {sorted(constexprs.items())} {sorted(attrs.items())}"] += 1
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        original = getattr(JITFunction, "_do_compile", None)
+        if original is None:  # another Triton: not counted
+            return
 
-    JITFunction._do_compile = timed
+        @functools.wraps(original)
+        def timed(fn: Any, key: Any, signature: Any, device: Any, constexprs: Any, options: Any, attrs: Any,
+                  *a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(fn, key, signature, device, constexprs, options, attrs, *a, **k)
+            finally:
+                timers["triton_jit_s"] += time.perf_counter() - start
+                name = getattr(fn, "__name__", "?")
+                self.by_phase[self.phase][name] += 1
+                self.specialisations.add(f"{name} {sorted(constexprs.items())} {sorted(attrs.items())}")
+
+        JITFunction._do_compile = timed
 
 
 class _Profiler:
