@@ -4,7 +4,7 @@
 
 One layer's decode attention over the paged cache (32 query / 8 KV heads of 128, bf16,
 page 16), as the Triton implementation plans it (``plan_decode``), with the split count,
-the merge's runs per load, the fused k/v save and the launch options varied one at a
+the merge's unrolling, the fused k/v save and the launch options varied one at a
 time. Each figure is the median over 5 repeats of (CUDA-event time of 200 back-to-back
 launches) / 200, so host launch cost is hidden behind the GPU's work. Prints one line per
 variant, with the compiled kernel's registers, spills and shared memory.
@@ -76,8 +76,7 @@ def main() -> None:
                      ("wide page table (full graph)", {"wide": True}),
                      ("num_warps=8", {"num_warps": 8}), ("num_stages=1", {"num_stages": 1}),
                      ("num_stages=3", {"num_stages": 3})]
-        variants += [(f"merge {n} runs per load", {"MERGE_RUNS_PER_LOAD": n}) for n in (2, 4)]
-        variants += [("merge 4 runs per load, num_splits=4", {"MERGE_RUNS_PER_LOAD": 4, "num_splits": 4})]
+        variants += [(f"merge unrolled by {n}", {"MERGE_UNROLL": n}) for n in (1, 2, 8)]
         for name, options in variants:
             # Module constants the plan reads (upper case), set for this plan only.
             constants = {key: options.pop(key) for key in [k for k in options if k.isupper()]}

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from fullcg.ops.kernels import decode as decode_module
 from fullcg.ops.kernels.decode import plan_decode
 
 HEAD_DIM = 128
@@ -127,8 +128,13 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--merge-unroll", type=int, default=None,
+                    help="runs the merge has in flight at once (default: the kernel's MERGE_UNROLL)")
     ap.add_argument("--out", default="decode_sweep.json")
     args = ap.parse_args()
+    if args.merge_unroll is not None:
+        decode_module.MERGE_UNROLL = args.merge_unroll  # read by every plan made below
+    args.merge_unroll = decode_module.MERGE_UNROLL
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     dev = torch.device("cuda")
     doc = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, args=vars(args), results=[])

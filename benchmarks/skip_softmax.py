@@ -1,18 +1,24 @@
-"""Skip-softmax attention on a Hopper GPU: the ``triton`` kernels (and, for prefill on
-SM90 with FlashInfer installed, FlashInfer's FMHAv2) against dense attention.
+"""Skip-softmax attention on a Hopper GPU, per implementation, against dense attention.
 
 Shapes as published for skip-softmax (64 q / 4 kv heads and 32 / 8, head dim 128, bf16):
-prefill batch 1 at 16k, 32k, 64k tokens; decode batch 64 at 16k and 64k keys. Reports
+prefill batch 1 at 16k, 32k, 64k tokens; decode batch 64 at 16k and 64k keys. Each point
+(``kind``, ``n``, ``heads``; ``batch`` for decode) holds torch SDPA's dense time
+(``sdpa_ms``) and, under ``impls``, per implementation:
 
-* dense throughput: TFLOP/s for prefill (causal: 2 matmuls x 2 flops x N^2/2 x heads x dim),
-  TB/s of K and V read for decode, for our kernels and torch SDPA;
-* for a sweep of skip-softmax factors: tiles skipped (the kernels' own counters), time,
-  speed-up over our dense kernel, and relative output error against float64 on a subset
-  of rows (``||o - o64|| / ||o64||``);
-* for prefill on SM90 with FlashInfer installed, the same for FMHAv2 as the ``flashinfer``
-  implementation calls it, under ``fmha_v2`` (time, speed-up over its own dense and over
-  SDPA, error; FMHAv2 counts no skipped tiles);
-* a plot of speed-up and error against the skipped fraction.
+* ``triton``: our kernels, launched with the implementation's own defaults (the tile
+  sizes of :class:`fullcg.SkipSoftmaxConfig`, the dense decode plan of the kernel);
+* ``flashinfer`` (with FlashInfer installed): prefill through FMHAv2 on SM90, called as
+  the ``flashinfer`` implementation calls it (paged K/V of one allocation); decode through
+  FlashInfer's dense decode wrapper, as the implementation plans it. FlashInfer has no
+  skip-softmax decode on Hopper, so its decode sweep is empty.
+
+Each holds ``dense_ms`` (with TFLOP/s for prefill, counting 2 matmuls x 2 flops x N^2/2 x
+heads x dim, or TB/s of K and V read for decode), its dense error and a ``sweep`` over
+skip-softmax factors of ``factor``, ``skipped_fraction`` (the kernels' own counters; null
+where the kernel counts no tiles, as FMHAv2), ``ms``, ``speedup`` (over its own dense),
+``speedup_vs_sdpa`` and ``rel_err``: the relative output error against float64 on a
+subset of rows (``||o - o64|| / ||o64||``). A plot shows speed-up over SDPA, error and
+skipped fraction against the factor.
 
 Random Q/K skip nothing, so inputs have controllable structure: attention sinks (the
 first keys), a local window (sinusoidal position features shared by q and k), a few heavy
@@ -24,6 +30,8 @@ Run: ``python benchmarks/skip_softmax.py --out results/`` (needs a CUDA GPU and 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -35,7 +43,6 @@ import fullcg
 from fullcg.ops.impl import fmha_v2
 from fullcg.ops.kernels import decode_attention, prefill_attention
 
-HEADS = [(64, 4), (32, 8)]
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
 PAGE = 64
@@ -114,6 +121,12 @@ def rel_err(o: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o.double() - ref).norm() / ref.norm())
 
 
+def _sweep_entry(factor: float, skipped: float | None, ms: float, dense_ms: float, sdpa_ms: float | None,
+                 err: float) -> dict:
+    return dict(factor=factor, skipped_fraction=skipped, ms=ms, speedup=dense_ms / ms,
+                speedup_vs_sdpa=(sdpa_ms / ms) if sdpa_ms else None, rel_err=err)
+
+
 def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) -> dict:
     hq, hkv = heads
     dev = torch.device("cuda")
@@ -121,8 +134,9 @@ def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) ->
     q, k = structured_qk(pos, pos, hq, hkv, sink_logit=args.sink_logit, window_logit=args.window_logit,
                          heavy_logit=args.heavy_logit, seed=n + hq)
     v = torch.randn(n, hkv, HEAD_DIM, device=dev, dtype=DTYPE)
-    k_cache = k.view(n // PAGE, PAGE, hkv, HEAD_DIM)
-    v_cache = v.view(n // PAGE, PAGE, hkv, HEAD_DIM)
+    # One allocation, V after K, as KVCache.allocate makes it (FMHAv2 reads both through it).
+    both = torch.stack((k.view(n // PAGE, PAGE, hkv, HEAD_DIM), v.view(n // PAGE, PAGE, hkv, HEAD_DIM)))
+    k_cache, v_cache = both[0], both[1]
     page_table = torch.arange(n // PAGE, device=dev, dtype=torch.int32)[None]
     meta = dict(
         query_start_loc=torch.tensor([0, n], device=dev, dtype=torch.int32),
@@ -134,48 +148,47 @@ def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) ->
     out = torch.empty(n, hq, HEAD_DIM, device=dev, dtype=DTYPE)
     lse = torch.empty(n, hq, device=dev, dtype=torch.float32)
     ctr = torch.zeros(2, 2, dtype=torch.int64, device=dev)
-    tile_q = 128 // (hq // hkv)
-    cfg = dict(tile_kv=args.prefill_tile_kv, num_warps=args.prefill_warps, num_stages=args.prefill_stages)
+    cfg = dict(tile_q=args.prefill_tile_q, tile_kv=args.prefill_tile_kv, num_warps=args.prefill_warps,
+               num_stages=args.prefill_stages)
 
     def ours(factor):
         return lambda: prefill_attention(q, k_cache, v_cache, out, lse, ctr, scale=1 / math.sqrt(HEAD_DIM),
-                                         causal=True, factor=factor, tile_q=tile_q, **cfg, **meta)
+                                         causal=True, factor=factor, **cfg, **meta)
 
     flops = 4 * (n * n / 2) * hq * HEAD_DIM
     reps = 3 if n >= 32768 else 5
-    t_dense = timed(ours(None), reps)
     sub = torch.arange(n - args.err_rows, n, device=dev)
     exact = exact_rows(q[sub], k, v, sub)
-    ours(None)()
-    dense_err = rel_err(out[sub], exact)
 
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)))
     qt, kt, vt = qt.contiguous(), kt.contiguous(), vt.contiguous()
     t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True), reps)
     del qt, kt, vt
 
-    sweep = []
+    t_dense = timed(ours(None), reps)
+    ours(None)()
+    triton = dict(dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9, dense_rel_err=rel_err(out[sub], exact),
+                  sweep=[])
     for f in factors:
         ctr.zero_()
         ours(f)()
         torch.cuda.synchronize()
         visited, skipped = ctr[0].tolist()
         err = rel_err(out[sub], exact)
-        t = timed(ours(f), reps)
-        sweep.append(dict(factor=f, skipped_fraction=skipped / max(visited, 1), ms=t, speedup=t_dense / t, rel_err=err))
-    res = dict(kind="prefill", n=n, heads=heads, dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9,
-               sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9, dense_rel_err=dense_err, sweep=sweep)
+        triton["sweep"].append(_sweep_entry(f, skipped / max(visited, 1), timed(ours(f), reps), t_dense, t_sdpa, err))
+    impls = {"triton": triton}
     if fmha_v2.available(dev.index or 0):
-        res["fmha_v2"] = bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops, t_sdpa)
-    return res
+        impls["flashinfer"] = bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops,
+                                            t_sdpa)
+    return dict(kind="prefill", n=n, heads=list(heads), sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9,
+                impls=impls)
 
 
 def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops, t_sdpa) -> dict:
     """FlashInfer's FMHAv2 on the same prefill, called as the ``flashinfer`` implementation
-    calls it (paged K/V of one allocation); it counts no skipped tiles."""
+    calls it; it counts no skipped tiles."""
     n, dev = q.shape[0], q.device
-    both = torch.stack((k_cache, v_cache))  # one allocation, V after K, as KVCache.allocate makes it
-    cache = fullcg.KVCache(both[0], both[1])
+    cache = fullcg.KVCache(k_cache, v_cache)
     tables = fmha_v2.paged_tables(page_table, fmha_v2.v_offset_pages(cache))
     cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
     ws = torch.zeros(fmha_v2.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
@@ -185,15 +198,39 @@ def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, rep
 
     t_dense = timed(run(None), reps)
     run(None)()
-    dense_err = rel_err(out[sub], exact)
-    sweep = []
+    res = dict(kernel="fmha_v2", dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9,
+               dense_rel_err=rel_err(out[sub], exact), sweep=[])
     for f in factors:
         run(f)()
         err = rel_err(out[sub], exact)
-        t = timed(run(f), reps)
-        sweep.append(dict(factor=f, skipped_fraction=None, ms=t, speedup=t_dense / t, speedup_vs_sdpa=t_sdpa / t,
-                          rel_err=err))
-    return dict(dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9, dense_rel_err=dense_err, sweep=sweep)
+        res["sweep"].append(_sweep_entry(f, None, timed(run(f), reps), t_dense, t_sdpa, err))
+    return res
+
+
+def bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, reps, kv_bytes) -> dict:
+    """FlashInfer's dense decode, planned as the ``flashinfer`` implementation plans it."""
+    import flashinfer
+
+    from fullcg.ops.impl.flashinfer import DENSE_BACKEND, WORKSPACE_BYTES
+
+    batch, pages = page_table.shape
+    hq, hkv, dev = q.shape[1], k_cache.shape[2], q.device
+    ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, backend=DENSE_BACKEND)
+    wrapper.plan(
+        torch.arange(0, batch * pages + 1, pages, dtype=torch.int32, device=dev), page_table.flatten(),
+        torch.full((batch,), PAGE, dtype=torch.int32, device=dev), hq, hkv, HEAD_DIM, PAGE,
+        sm_scale=1 / math.sqrt(HEAD_DIM), q_data_type=DTYPE, kv_data_type=DTYPE,
+    )
+
+    def run():
+        wrapper.run(q, (k_cache, v_cache), out=out)
+
+    t_dense = timed(run, reps)
+    run()
+    return dict(kernel=f"decode ({DENSE_BACKEND}, tensor cores)", dense_ms=t_dense,
+                dense_tbps=kv_bytes / t_dense / 1e9, dense_rel_err=rel_err(out[check], exact), sweep=[],
+                note="FlashInfer has no skip-softmax decode on this GPU")
 
 
 def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float], args) -> dict:
@@ -221,96 +258,120 @@ def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float
     ctr = torch.zeros(2, 2, dtype=torch.int64, device=dev)
 
     def ours(factor):
-        # Dense is the implementation's dense plan (its own tiles and split count); the
-        # split into runs of --decode-split tiles is the skip rule's, so only skipping uses it.
+        # Dense is the implementation's dense plan (its own tiles and split count); runs of
+        # --decode-split tiles are the skip rule's, so only skipping uses them.
         split = args.decode_split if factor is not None else None
         return lambda: decode_attention(q, k_cache, v_cache, out, lse, ctr, scale=1 / math.sqrt(HEAD_DIM),
                                         factor=factor, tile_kv=args.decode_tile_kv, split_tiles=split,
                                         max_kv_len=n, **meta)
 
     kv_bytes = 2 * batch * n * hkv * HEAD_DIM * 2
-    t_dense = timed(ours(None), 10)
-    check = list(range(0, batch, max(1, batch // 4)))
+    check = list(range(0, batch, max(1, batch // 16)))
     exact = torch.stack([
         exact_rows(q[b : b + 1], k_cache[b * pages : (b + 1) * pages].flatten(0, 1),
                    v_cache[b * pages : (b + 1) * pages].flatten(0, 1), pos[-1:])[0]
         for b in check
     ])
-    ours(None)()
-    dense_err = rel_err(out[check], exact)
 
-    t_sdpa = None
+    t_sdpa, sdpa_note = None, None
     try:
         kt = k_cache.view(batch, n, hkv, HEAD_DIM).transpose(1, 2)
         vt = v_cache.view(batch, n, hkv, HEAD_DIM).transpose(1, 2)
         qt = q[:, :, None, :]
-        t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), 5)
+        t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), 10)
     except (RuntimeError, torch.OutOfMemoryError) as e:  # report, don't fail the whole run
-        t_sdpa = None
         sdpa_note = str(e)[:200]
-    sweep = []
+
+    t_dense = timed(ours(None), 10)
+    ours(None)()
+    triton = dict(dense_ms=t_dense, dense_tbps=kv_bytes / t_dense / 1e9, dense_rel_err=rel_err(out[check], exact),
+                  sweep=[])
     for f in factors:
         ctr.zero_()
         ours(f)()
         torch.cuda.synchronize()
         visited, skipped = ctr[1].tolist()
         err = rel_err(out[check], exact)
-        t = timed(ours(f), 10)
-        sweep.append(dict(factor=f, skipped_fraction=skipped / max(visited, 1), ms=t, speedup=t_dense / t, rel_err=err))
-    res = dict(kind="decode", n=n, batch=batch, heads=heads, dense_ms=t_dense, dense_tbps=kv_bytes / t_dense / 1e9,
-               sdpa_ms=t_sdpa, sdpa_tbps=(kv_bytes / t_sdpa / 1e9) if t_sdpa else None, dense_rel_err=dense_err,
-               sweep=sweep)
-    if t_sdpa is None:
+        triton["sweep"].append(_sweep_entry(f, skipped / max(visited, 1), timed(ours(f), 10), t_dense, t_sdpa, err))
+    impls = {"triton": triton}
+    if importlib.util.find_spec("flashinfer") is not None:
+        impls["flashinfer"] = bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, 10, kv_bytes)
+    res = dict(kind="decode", n=n, batch=batch, heads=list(heads), sdpa_ms=t_sdpa,
+               sdpa_tbps=(kv_bytes / t_sdpa / 1e9) if t_sdpa else None, impls=impls)
+    if sdpa_note is not None:
         res["sdpa_note"] = sdpa_note
     return res
 
 
 def plot(results: list[dict], path: str) -> None:
+    """Speed-up over SDPA dense, error and (where counted) skipped fraction against the
+    factor, one line per point and implementation (dense drawn at factor 0.1 for prefill,
+    10 for decode: left of every factor swept)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     for r in results:
-        label = f"{r['kind']} {r['n'] // 1024}k {r['heads'][0]}/{r['heads'][1]}"
-        xs = [0.0] + [s["skipped_fraction"] for s in r["sweep"]]
-        ax1.plot(xs, [1.0] + [s["speedup"] for s in r["sweep"]], marker="o", label=label)
-        ax2.plot(xs, [r["dense_rel_err"]] + [s["rel_err"] for s in r["sweep"]], marker="o", label=label)
-    ax1.set_xlabel("skipped fraction of tiles")
-    ax1.set_ylabel("speed-up over our dense kernel")
-    ax2.set_xlabel("skipped fraction of tiles")
-    ax2.set_ylabel("relative output error vs float64")
-    ax2.set_yscale("log")
-    ax1.grid(True, alpha=0.3)
-    ax2.grid(True, alpha=0.3)
-    ax1.legend(fontsize=7)
+        for name, impl in r["impls"].items():
+            if not impl["sweep"] or not r["sdpa_ms"]:
+                continue
+            label = f"{r['kind']} {r['n'] // 1024}k {r['heads'][0]}/{r['heads'][1]} {name}"
+            style = "-" if name == "triton" else "--"
+            dense_x = 0.1 if r["kind"] == "prefill" else 10.0
+            xs = [dense_x] + [s["factor"] for s in impl["sweep"]]
+            axes[0].plot(xs, [r["sdpa_ms"] / impl["dense_ms"]] + [s["speedup_vs_sdpa"] for s in impl["sweep"]],
+                         style, marker="o", label=label)
+            axes[1].plot(xs, [impl["dense_rel_err"]] + [s["rel_err"] for s in impl["sweep"]], style, marker="o",
+                         label=label)
+            if impl["sweep"][0]["skipped_fraction"] is not None:
+                axes[2].plot(xs, [0.0] + [s["skipped_fraction"] for s in impl["sweep"]], style, marker="o",
+                             label=label)
+    for ax, ylabel in zip(axes, ("speed-up over SDPA dense", "relative output error vs float64",
+                                 "skipped fraction of tiles (counted)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("skip-softmax factor (leftmost point: dense)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
+    defaults = fullcg.SkipSoftmaxConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="benchmark_results")
     p.add_argument("--prefill-lens", type=int, nargs="*", default=[16384, 32768, 65536])
     p.add_argument("--decode-lens", type=int, nargs="*", default=[16384, 65536])
     p.add_argument("--decode-batch", type=int, default=64)
-    p.add_argument("--prefill-factors", type=float, nargs="*", default=[1.0, 3.0, 30.0, 300.0, 3000.0])
+    p.add_argument("--heads", nargs="*", default=["64/4", "32/8"], help="query/kv head layouts")
+    p.add_argument("--prefill-factors", type=float, nargs="*", default=[1.0, 3.0, 30.0, 100.0, 300.0, 3000.0])
     p.add_argument("--decode-factors", type=float, nargs="*", default=[100.0, 1000.0, 3000.0, 10000.0, 30000.0])
-    p.add_argument("--prefill-tile-kv", type=int, default=64)
-    p.add_argument("--prefill-warps", type=int, default=8)
-    p.add_argument("--prefill-stages", type=int, default=2)
-    p.add_argument("--decode-tile-kv", type=int, default=64)
-    p.add_argument("--decode-split", type=int, default=16)
+    p.add_argument("--prefill-tile-q", type=int, default=defaults.tile_q)
+    p.add_argument("--prefill-tile-kv", type=int, default=defaults.tile_kv)
+    p.add_argument("--prefill-warps", type=int, default=None, help="default: the kernel's plan")
+    p.add_argument("--prefill-stages", type=int, default=None, help="default: the kernel's plan")
+    p.add_argument("--decode-tile-kv", type=int, default=defaults.tile_kv)
+    p.add_argument("--decode-split", type=int, default=16, help="tiles per skip-softmax decode run")
     p.add_argument("--sink-logit", type=float, default=14.0)
     p.add_argument("--window-logit", type=float, default=10.0)
     p.add_argument("--heavy-logit", type=float, default=8.0)
     p.add_argument("--err-rows", type=int, default=64)
+    p.add_argument("--replot", metavar="JSON", help="only draw the plot of an earlier run's results, beside them")
     args = p.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f)["results"], os.path.splitext(args.replot)[0] + ".png")
+        return
+    heads_list = [tuple(int(x) for x in h.split("/")) for h in args.heads]
     os.makedirs(args.out, exist_ok=True)
     results = []
     t0 = time.time()
-    for heads in HEADS:
+    for heads in heads_list:
         for n in args.prefill_lens:
             results.append(bench_prefill(n, heads, args.prefill_factors, args))
             print(json.dumps(results[-1]), f"[{time.time() - t0:.0f}s]", flush=True)
@@ -319,8 +380,12 @@ def main() -> None:
             results.append(bench_decode(n, args.decode_batch, heads, args.decode_factors, args))
             print(json.dumps(results[-1]), f"[{time.time() - t0:.0f}s]", flush=True)
             torch.cuda.empty_cache()
+    versions = dict(torch=torch.__version__, triton=importlib.import_module("triton").__version__)
+    if importlib.util.find_spec("flashinfer") is not None:
+        versions["flashinfer"] = importlib.import_module("flashinfer").__version__
     with open(os.path.join(args.out, "skip_softmax.json"), "w") as f:
-        json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), results=results), f, indent=1)
+        json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), versions=versions, results=results), f,
+                  indent=1)
     plot(results, os.path.join(args.out, "skip_softmax.png"))
 
 

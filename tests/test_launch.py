@@ -44,7 +44,7 @@ def test_keys_tell_apart_every_int_value_dtype_and_alignment_but_not_float_value
 def test_launchers_know_the_constexpr_parameters_of_the_decode_kernel():
     decode = decode_kernels._DECODE
     assert decode.constexpr_names == (
-        "GROUP", "BLOCK_M", "BLOCK_N", "SPLIT_TILES", "BLOCK_S", "HEAD_D", "HEAD_DV", "PAGED", "PAGE_SIZE", "SKIP",
+        "GROUP", "BLOCK_M", "BLOCK_N", "SPLIT_TILES", "BLOCK_S", "UNROLL", "HEAD_D", "HEAD_DV", "PAGED", "PAGE_SIZE", "SKIP",
         "DOT_F32", "SAVE",
     )
     names = list(inspect.signature(decode.fn.fn).parameters)

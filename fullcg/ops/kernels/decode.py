@@ -47,12 +47,17 @@ _LOG2E = 1.4426950408889634
 #: depend on the split, so the launcher picks a count that fills the GPU, up to this).
 MAX_DENSE_SPLITS = 64
 
-#: Runs whose partial results the merging program loads at once. The merge's tensors set
-#: the kernel's register count for every program, merging or not: on an H200 (8B layer,
-#: 1k keys, the default runs) one run at a time takes 126 registers where 4 took 168, and
-#: the launch 12.9 us instead of 50.8 at batch 1, 16.4 instead of 45.9 at batch 8, 74.7
-#: instead of 94.8 at batch 64 (``benchmarks/decode_kernel.py``).
-MERGE_RUNS_PER_LOAD = 1
+#: Runs whose LSE the merging program reads at once, to find their largest (a few bytes
+#: a run: one load serves every dense split count).
+MERGE_LSE_BLOCK = 64
+
+#: Runs whose partial outputs the merging program has in flight at once. The merge takes
+#: the runs' largest LSE first, so each run's weight needs no result of the run before
+#: and the loop over runs is unrolled: loading one run, waiting for it and only then asking
+#: for the next was most of a short request's launch at batch 1. The loads stay 2-D (one
+#: run at a time per unrolled step): a [runs, rows, dim] tile set the register count of
+#: every program, merging or not (168 registers for 4 runs against 126 for one, on an H200).
+MERGE_UNROLL = 4
 
 
 #: Dense decode's launch, tuned on an H200 over 64q/4kv and 32q/8kv heads of 128, batch
@@ -129,7 +134,7 @@ def _decode_kernel(
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     qk_scale2, factor, num_splits, min_run_scale, num_requests, num_rows, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    BLOCK_S: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SKIP: tl.constexpr, DOT_F32: tl.constexpr, SAVE: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -242,24 +247,23 @@ def _decode_kernel(
         return
     tl.debug_barrier()
     base = req.to(tl.int64) * stride_pr
+    # .cg on every load of the merge: other programs wrote these; never take them from this SM's L1.
     m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    for s0 in range(0, n_splits, BLOCK_S):
+        runs = s0 + tl.arange(0, BLOCK_S)
+        ok = (runs < n_splits)[:, None] & row_ok[None, :]
+        idx = base + runs[:, None].to(tl.int64) * stride_ps + head[None, :]
+        m = tl.maximum(m, tl.max(tl.load(PartLse + idx, mask=ok, other=float("-inf"), cache_modifier=".cg"), 0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     merged = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ok = (s < n_splits)[:, None] & row_ok[None, :]
-        idx = base + s[:, None].to(tl.int64) * stride_ps + head[None, :]
-        # .cg: other programs wrote these; never take them from this SM's L1.
-        part_lse = tl.load(PartLse + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")  # [S, M]
-        m_new = tl.maximum(m, tl.max(part_lse, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(part_lse - m_safe[None, :])  # 0 for empty runs
-        part_o = tl.load(PartOut + idx[:, :, None] * HEAD_DV + offs_dv[None, None, :], mask=ok[:, :, None], other=0.0,
+    for run in tl.range(0, n_splits, loop_unroll_factor=UNROLL):
+        idx = base + run * stride_ps + head  # base is int64
+        w = tl.exp2(tl.load(PartLse + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+        part_o = tl.load(PartOut + idx[:, None] * HEAD_DV + offs_dv[None, :], mask=row_ok[:, None], other=0.0,
                          cache_modifier=".cg")
-        w_sum = w_sum * alpha + tl.sum(w, 0)
-        merged = merged * alpha[:, None] + tl.sum(w[:, :, None] * part_o, 0)
-        m = m_new
+        w_sum += w  # 0 for empty runs
+        merged += w[:, None] * part_o
     has = w_sum > 0.0
     out = tl.where(has[:, None], merged / tl.where(has, w_sum, 1.0)[:, None], 0.0)
     lse = tl.where(has, (m + tl.log2(tl.where(has, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -383,7 +387,7 @@ def plan_decode(
         scale * _LOG2E, float(factor) if skip else 0.0, num_splits, min_run_scale, num_requests, q.shape[0],
         num_kv_heads,
     )
-    constexprs = (group, block_m, tile_kv, split_tiles, MERGE_RUNS_PER_LOAD, head_dim, head_dim_v, src.paged,
+    constexprs = (group, block_m, tile_kv, split_tiles, MERGE_LSE_BLOCK, MERGE_UNROLL, head_dim, head_dim_v, src.paged,
                   src.page_size, skip, q.dtype == torch.float32, save)
     # Only the leading tensors' dtypes are read: an empty int64 stands in for the counters.
     counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
