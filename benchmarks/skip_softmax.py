@@ -369,23 +369,23 @@ def main() -> None:
         return
     heads_list = [tuple(int(x) for x in h.split("/")) for h in args.heads]
     os.makedirs(args.out, exist_ok=True)
-    results = []
-    t0 = time.time()
-    for heads in heads_list:
-        for n in args.prefill_lens:
-            results.append(bench_prefill(n, heads, args.prefill_factors, args))
-            print(json.dumps(results[-1]), f"[{time.time() - t0:.0f}s]", flush=True)
-            torch.cuda.empty_cache()
-        for n in args.decode_lens:
-            results.append(bench_decode(n, args.decode_batch, heads, args.decode_factors, args))
-            print(json.dumps(results[-1]), f"[{time.time() - t0:.0f}s]", flush=True)
-            torch.cuda.empty_cache()
     versions = dict(torch=torch.__version__, triton=importlib.import_module("triton").__version__)
     if importlib.util.find_spec("flashinfer") is not None:
         versions["flashinfer"] = importlib.import_module("flashinfer").__version__
-    with open(os.path.join(args.out, "skip_softmax.json"), "w") as f:
-        json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), versions=versions, results=results), f,
-                  indent=1)
+    doc = dict(args=vars(args), device=torch.cuda.get_device_name(), versions=versions, results=[])
+    results = doc["results"]
+    t0 = time.time()
+    points = [("prefill", heads, n) for heads in heads_list for n in args.prefill_lens]
+    points += [("decode", heads, n) for heads in heads_list for n in args.decode_lens]
+    for kind, heads, n in points:
+        if kind == "prefill":
+            results.append(bench_prefill(n, heads, args.prefill_factors, args))
+        else:
+            results.append(bench_decode(n, args.decode_batch, heads, args.decode_factors, args))
+        print(json.dumps(results[-1]), f"[{time.time() - t0:.0f}s]", flush=True)
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "skip_softmax.json"), "w") as f:  # after every point: a cut run keeps its part
+            json.dump(doc, f, indent=1)
     plot(results, os.path.join(args.out, "skip_softmax.png"))
 
 
