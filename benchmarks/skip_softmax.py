@@ -41,11 +41,15 @@ import torch
 
 import fullcg
 from fullcg.ops.impl import fmha_v2
-from fullcg.ops.kernels import decode_attention, prefill_attention
+from fullcg.ops.kernels.decode import plan_decode
+from fullcg.ops.kernels.prefill import plan_prefill
 
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
 PAGE = 64
+#: Decode timings: medians of 5 bursts of 10 back-to-back calls (a decode call is short
+#: enough that one call timed alone would count the host's launch of it).
+DECODE_TIMING = (5, 10)
 
 
 def structured_qk(
@@ -88,18 +92,21 @@ def structured_qk(
     return q.to(DTYPE), k.to(DTYPE)
 
 
-def timed(fn, reps: int) -> float:
-    """Median milliseconds of ``fn`` after one warm-up call."""
+def timed(fn, reps: int, burst: int = 1) -> float:
+    """Median milliseconds of one ``fn`` call over ``reps`` bursts of ``burst`` back-to-back
+    calls, after one warm-up call. A burst keeps the GPU busy while the host launches the
+    next call, so a short kernel's time is not padded with host launch time."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(burst):
+            fn()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / burst)
     times.sort()
     return times[len(times) // 2]
 
@@ -152,8 +159,9 @@ def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) ->
                num_stages=args.prefill_stages)
 
     def ours(factor):
-        return lambda: prefill_attention(q, k_cache, v_cache, out, lse, ctr, scale=1 / math.sqrt(HEAD_DIM),
-                                         causal=True, factor=factor, **cfg, **meta)
+        launch = plan_prefill(q, k_cache, v_cache, out, lse, scale=1 / math.sqrt(HEAD_DIM), causal=True,
+                              factor=factor, **cfg, **meta)
+        return lambda: launch(q, k_cache, v_cache, out, lse, ctr)
 
     flops = 4 * (n * n / 2) * hq * HEAD_DIM
     reps = 3 if n >= 32768 else 5
@@ -207,7 +215,7 @@ def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, rep
     return res
 
 
-def bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, reps, kv_bytes) -> dict:
+def bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, kv_bytes) -> dict:
     """FlashInfer's dense decode, planned as the ``flashinfer`` implementation plans it."""
     import flashinfer
 
@@ -226,7 +234,7 @@ def bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, 
     def run():
         wrapper.run(q, (k_cache, v_cache), out=out)
 
-    t_dense = timed(run, reps)
+    t_dense = timed(run, *DECODE_TIMING)
     run()
     return dict(kernel=f"decode ({DENSE_BACKEND}, tensor cores)", dense_ms=t_dense,
                 dense_tbps=kv_bytes / t_dense / 1e9, dense_rel_err=rel_err(out[check], exact), sweep=[],
@@ -260,10 +268,11 @@ def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float
     def ours(factor):
         # Dense is the implementation's dense plan (its own tiles and split count); runs of
         # --decode-split tiles are the skip rule's, so only skipping uses them.
+        # Planned once, as the implementation plans a step: each timed call is the launch alone.
         split = args.decode_split if factor is not None else None
-        return lambda: decode_attention(q, k_cache, v_cache, out, lse, ctr, scale=1 / math.sqrt(HEAD_DIM),
-                                        factor=factor, tile_kv=args.decode_tile_kv, split_tiles=split,
-                                        max_kv_len=n, **meta)
+        launch = plan_decode(q, k_cache, v_cache, out, lse, scale=1 / math.sqrt(HEAD_DIM), factor=factor,
+                             tile_kv=args.decode_tile_kv, split_tiles=split, max_kv_len=n, workspace={}, **meta)
+        return lambda: launch(q, k_cache, v_cache, out, lse, ctr)
 
     kv_bytes = 2 * batch * n * hkv * HEAD_DIM * 2
     check = list(range(0, batch, max(1, batch // 16)))
@@ -278,11 +287,12 @@ def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float
         kt = k_cache.view(batch, n, hkv, HEAD_DIM).transpose(1, 2)
         vt = v_cache.view(batch, n, hkv, HEAD_DIM).transpose(1, 2)
         qt = q[:, :, None, :]
-        t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), 10)
+        t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True),
+                       *DECODE_TIMING)
     except (RuntimeError, torch.OutOfMemoryError) as e:  # report, don't fail the whole run
         sdpa_note = str(e)[:200]
 
-    t_dense = timed(ours(None), 10)
+    t_dense = timed(ours(None), *DECODE_TIMING)
     ours(None)()
     triton = dict(dense_ms=t_dense, dense_tbps=kv_bytes / t_dense / 1e9, dense_rel_err=rel_err(out[check], exact),
                   sweep=[])
@@ -292,10 +302,11 @@ def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float
         torch.cuda.synchronize()
         visited, skipped = ctr[1].tolist()
         err = rel_err(out[check], exact)
-        triton["sweep"].append(_sweep_entry(f, skipped / max(visited, 1), timed(ours(f), 10), t_dense, t_sdpa, err))
+        triton["sweep"].append(_sweep_entry(f, skipped / max(visited, 1), timed(ours(f), *DECODE_TIMING), t_dense, t_sdpa,
+                                                      err))
     impls = {"triton": triton}
     if importlib.util.find_spec("flashinfer") is not None:
-        impls["flashinfer"] = bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, 10, kv_bytes)
+        impls["flashinfer"] = bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, kv_bytes)
     res = dict(kind="decode", n=n, batch=batch, heads=list(heads), sdpa_ms=t_sdpa,
                sdpa_tbps=(kv_bytes / t_sdpa / 1e9) if t_sdpa else None, impls=impls)
     if sdpa_note is not None:
