@@ -10,7 +10,10 @@ prefill batch 1 at 16k, 32k, 64k tokens; decode batch 64 at 16k and 64k keys. Ea
 * ``flashinfer`` (with FlashInfer installed): prefill through FMHAv2 on SM90, called as
   the ``flashinfer`` implementation calls it (paged K/V of one allocation); decode through
   FlashInfer's dense decode wrapper, as the implementation plans it. FlashInfer has no
-  skip-softmax decode on Hopper, so its decode sweep is empty.
+  skip-softmax decode on Hopper, so its decode sweep is empty. With ``--fmha-v2-layouts``
+  its prefill entry also holds ``other_layouts``: FMHAv2 over the prompt's k/v given as
+  rows (``SEPARATE_Q_K_V``, ``CONTIGUOUS_Q_KV``), which a batch of prefills without a
+  cached prefix could run instead of the paged layout.
 
 Each holds ``dense_ms`` (with TFLOP/s for prefill, counting 2 matmuls x 2 flops x N^2/2 x
 heads x dim, or TB/s of K and V read for decode), its dense error and a ``sweep`` over
@@ -187,12 +190,13 @@ def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) ->
     impls = {"triton": triton}
     if fmha_v2.available(dev.index or 0):
         impls["flashinfer"] = bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops,
-                                            t_sdpa)
+                                            t_sdpa, args.fmha_v2_layouts)
     return dict(kind="prefill", n=n, heads=list(heads), sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9,
                 impls=impls)
 
 
-def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops, t_sdpa) -> dict:
+def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops, t_sdpa,
+                  layouts=()) -> dict:
     """FlashInfer's FMHAv2 on the same prefill, called as the ``flashinfer`` implementation
     calls it; it counts no skipped tiles."""
     n, dev = q.shape[0], q.device
@@ -212,7 +216,43 @@ def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, rep
         run(f)()
         err = rel_err(out[sub], exact)
         res["sweep"].append(_sweep_entry(f, None, timed(run(f), reps), t_dense, t_sdpa, err))
+    if layouts:
+        res["other_layouts"] = {
+            layout: _fmha_v2_layout(layout, q, k_cache, v_cache, out, sub, exact, factors, reps, t_sdpa)
+            for layout in layouts
+        }
     return res
+
+
+def _fmha_v2_layout(layout, q, k_cache, v_cache, out, sub, exact, factors, reps, t_sdpa) -> dict:
+    """FMHAv2 on the same prefill with k/v given as rows (a fresh prompt's own k/v, no
+    cache), called directly: what a batch of prefills without a prefix could run. Each
+    layout is a JIT build of its own (a minute or more the first time)."""
+    from flashinfer.prefill import trtllm_fmha_v2_prefill
+
+    n, dev = q.shape[0], q.device
+    k, v = k_cache.reshape(n, *k_cache.shape[2:]), v_cache.reshape(n, *v_cache.shape[2:])
+    qkv = (q, k, v) if layout == "SEPARATE_Q_K_V" else (q, torch.stack((k, v), 1))
+    cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
+    ws = torch.zeros(fmha_v2.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+
+    def run(factor):
+        return lambda: trtllm_fmha_v2_prefill(
+            qkv, layout, workspace_buffer=ws, seq_lens=cu[1:], max_q_len=n, max_kv_len=n,
+            bmm1_scale=1 / math.sqrt(HEAD_DIM), bmm2_scale=1.0, batch_size=1, cum_seq_lens_q=cu,
+            cum_seq_lens_kv=cu, out=out, mask_mode="causal", skip_softmax_threshold_scale_factor=factor or 0.0)
+
+    try:
+        t_dense = timed(run(None), reps)
+        run(None)()
+        res = dict(dense_ms=t_dense, dense_rel_err=rel_err(out[sub], exact), sweep=[])
+        for f in factors:
+            run(f)()
+            err = rel_err(out[sub], exact)
+            res["sweep"].append(_sweep_entry(f, None, timed(run(f), reps), t_dense, t_sdpa, err))
+        return res
+    except Exception as e:  # an unsupported layout here: recorded, the run goes on
+        return dict(error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, kv_bytes) -> dict:
@@ -368,6 +408,8 @@ def main() -> None:
     p.add_argument("--prefill-stages", type=int, default=None, help="default: the kernel's plan")
     p.add_argument("--decode-tile-kv", type=int, default=defaults.tile_kv)
     p.add_argument("--decode-split", type=int, default=16, help="tiles per skip-softmax decode run")
+    p.add_argument("--fmha-v2-layouts", nargs="*", default=[], choices=["SEPARATE_Q_K_V", "CONTIGUOUS_Q_KV"],
+                   help="also time FMHAv2 prefill over k/v given as rows in these layouts (under other_layouts)")
     p.add_argument("--sink-logit", type=float, default=14.0)
     p.add_argument("--window-logit", type=float, default=10.0)
     p.add_argument("--heavy-logit", type=float, default=8.0)
