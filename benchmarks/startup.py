@@ -292,7 +292,8 @@ class _TritonCompiles:
 
 class _Profiler:
     """``with profiler("phase"):`` profiles that phase with cProfile into ``<prefix>_<phase>.txt``
-    (the 60 costliest functions by cumulative and by own time); does nothing without a prefix."""
+    (the 60 costliest functions by cumulative and by own time) and ``<prefix>_<phase>.prof``
+    (the whole profile, for ``pstats``: callers, callees); does nothing without a prefix."""
 
     def __init__(self, prefix: str | None) -> None:
         self.prefix = prefix
@@ -317,6 +318,7 @@ class _Profiler:
             stats.sort_stats("cumulative").print_stats(60)
             stats.sort_stats("tottime").print_stats(60)
             Path(f"{self.prefix}_{name}.txt").write_text(out.getvalue())
+            prof.dump_stats(f"{self.prefix}_{name}.prof")
 
 
 def _cpu_name() -> str:
