@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,14 @@ def test_the_startup_benchmark_times_fresh_processes_and_writes_the_results_shap
     assert run["frames_compiled"] == 0 and run["torch_compile_s"] < 0.05
     assert run["triton_kernels"] == {"first_prefill": {}, "capture_and_first_decode": {}, "second_decode": {}}
     assert set(result["breakdown"]) == {"no_compiler", "no_compiler_warm"}
-    # --profile-dir: one profile per process and phase, each naming the phase's entry point.
+    # --profile-dir: one profile per process and phase, as text naming the phase's entry
+    # point and as a pstats file.
     names = sorted(p.name for p in profiles.iterdir())
-    assert names == [f"cpu_tiny_{kind}_0_{phase}.txt" for kind in ("no_compiler", "no_compiler_warm")
-                     for phase in ("capture_and_first_decode", "first_prefill")]
+    assert names == [f"cpu_tiny_{kind}_0_{phase}.{ext}" for kind in ("no_compiler", "no_compiler_warm")
+                     for phase in ("capture_and_first_decode", "first_prefill") for ext in ("prof", "txt")]
     assert "capture" in (profiles / "cpu_tiny_no_compiler_0_capture_and_first_decode.txt").read_text()
+    stats = pstats.Stats(str(profiles / "cpu_tiny_no_compiler_0_capture_and_first_decode.prof"))
+    assert any("capture" in func[2] for func in stats.stats), "the pstats file holds the phase's calls"
 
 
 def test_a_warm_kind_without_its_cold_one_is_refused_with_the_fix():
