@@ -48,15 +48,18 @@ _LOG2E = 1.4426950408889634
 MAX_DENSE_SPLITS = 64
 
 #: Runs whose LSE the merging program reads at once, to find their largest (a few bytes
-#: a run: one load serves every dense split count).
-MERGE_LSE_BLOCK = 64
+#: a run: one load serves every dense split count, MAX_DENSE_SPLITS).
+MERGE_LSE_BLOCK = MAX_DENSE_SPLITS
 
 #: Runs whose partial outputs the merging program has in flight at once. The merge takes
 #: the runs' largest LSE first, so each run's weight needs no result of the run before
-#: and the loop over runs is unrolled: loading one run, waiting for it and only then asking
-#: for the next was most of a short request's launch at batch 1. The loads stay 2-D (one
-#: run at a time per unrolled step): a [runs, rows, dim] tile set the register count of
-#: every program, merging or not (168 registers for 4 runs against 126 for one, on an H200).
+#: and the loop over runs is unrolled, several runs' loads in flight together rather than
+#: each waiting on the one before: on an H200 that takes 5-10% off a batch-1 launch at
+#: 64q/4kv heads (27.3 against 30.5 us at 16k keys) and is within 2% elsewhere
+#: (``benchmarks/decode_sweep.py --merge-unroll 1`` against the default).
+#: The loads stay 2-D (one run per unrolled step): a [runs, rows, dim] tile set the
+#: register count of every program, merging or not (168 registers for 4 runs against 126
+#: for one, on an H200).
 MERGE_UNROLL = 4
 
 
