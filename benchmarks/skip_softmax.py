@@ -131,10 +131,31 @@ def rel_err(o: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o.double() - ref).norm() / ref.norm())
 
 
-def _sweep_entry(factor: float, skipped: float | None, ms: float, dense_ms: float, sdpa_ms: float | None,
-                 err: float) -> dict:
-    return dict(factor=factor, skipped_fraction=skipped, ms=ms, speedup=dense_ms / ms,
-                speedup_vs_sdpa=(sdpa_ms / ms) if sdpa_ms else None, rel_err=err)
+def dense_and_sweep(run, factors: list[float], timing: tuple[int, ...], sdpa_ms: float | None, error,
+                    counters: torch.Tensor | None = None, kind_row: int = 0) -> dict:
+    """One implementation's ``dense_ms``, ``dense_rel_err`` and ``sweep``: ``run(factor)``
+    returns the call (factor None: dense), ``error()`` the relative error of the output it
+    just wrote; ``counters`` (row ``kind_row``: visited, skipped) give the skipped fraction,
+    which is null without them."""
+    dense = run(None)
+    dense_ms = timed(dense, *timing)
+    dense()
+    res = dict(dense_ms=dense_ms, dense_rel_err=error(), sweep=[])
+    for factor in factors:
+        call = run(factor)
+        if counters is not None:
+            counters.zero_()
+        call()
+        skipped = None
+        if counters is not None:
+            torch.cuda.synchronize()
+            visited, n_skipped = counters[kind_row].tolist()
+            skipped = n_skipped / max(visited, 1)
+        err = error()
+        ms = timed(call, *timing)
+        res["sweep"].append(dict(factor=factor, skipped_fraction=skipped, ms=ms, speedup=dense_ms / ms,
+                                 speedup_vs_sdpa=(sdpa_ms / ms) if sdpa_ms else None, rel_err=err))
+    return res
 
 
 def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) -> dict:
@@ -176,17 +197,8 @@ def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) ->
     t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True), reps)
     del qt, kt, vt
 
-    t_dense = timed(ours(None), reps)
-    ours(None)()
-    triton = dict(dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9, dense_rel_err=rel_err(out[sub], exact),
-                  sweep=[])
-    for f in factors:
-        ctr.zero_()
-        ours(f)()
-        torch.cuda.synchronize()
-        visited, skipped = ctr[0].tolist()
-        err = rel_err(out[sub], exact)
-        triton["sweep"].append(_sweep_entry(f, skipped / max(visited, 1), timed(ours(f), reps), t_dense, t_sdpa, err))
+    triton = dense_and_sweep(ours, factors, (reps,), t_sdpa, lambda: rel_err(out[sub], exact), ctr, kind_row=0)
+    triton["dense_tflops"] = flops / triton["dense_ms"] / 1e9
     impls = {"triton": triton}
     if fmha_v2.available(dev.index or 0):
         impls["flashinfer"] = bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops,
@@ -208,14 +220,8 @@ def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, rep
     def run(factor):
         return lambda: fmha_v2.attend_paged(q, out, cache, tables, cu, cu, n, n, 1 / math.sqrt(HEAD_DIM), factor, ws)
 
-    t_dense = timed(run(None), reps)
-    run(None)()
-    res = dict(kernel="fmha_v2", dense_ms=t_dense, dense_tflops=flops / t_dense / 1e9,
-               dense_rel_err=rel_err(out[sub], exact), sweep=[])
-    for f in factors:
-        run(f)()
-        err = rel_err(out[sub], exact)
-        res["sweep"].append(_sweep_entry(f, None, timed(run(f), reps), t_dense, t_sdpa, err))
+    res = dict(kernel="fmha_v2", **dense_and_sweep(run, factors, (reps,), t_sdpa, lambda: rel_err(out[sub], exact)))
+    res["dense_tflops"] = flops / res["dense_ms"] / 1e9
     if layouts:
         res["other_layouts"] = {
             layout: _fmha_v2_layout(layout, q, k_cache, v_cache, out, sub, exact, factors, reps, t_sdpa)
@@ -243,14 +249,7 @@ def _fmha_v2_layout(layout, q, k_cache, v_cache, out, sub, exact, factors, reps,
             cum_seq_lens_kv=cu, out=out, mask_mode="causal", skip_softmax_threshold_scale_factor=factor or 0.0)
 
     try:
-        t_dense = timed(run(None), reps)
-        run(None)()
-        res = dict(dense_ms=t_dense, dense_rel_err=rel_err(out[sub], exact), sweep=[])
-        for f in factors:
-            run(f)()
-            err = rel_err(out[sub], exact)
-            res["sweep"].append(_sweep_entry(f, None, timed(run(f), reps), t_dense, t_sdpa, err))
-        return res
+        return dense_and_sweep(run, factors, (reps,), t_sdpa, lambda: rel_err(out[sub], exact))
     except Exception as e:  # an unsupported layout here: recorded, the run goes on
         return dict(error=f"{type(e).__name__}: {str(e)[:300]}")
 
@@ -271,14 +270,15 @@ def bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, 
         sm_scale=1 / math.sqrt(HEAD_DIM), q_data_type=DTYPE, kv_data_type=DTYPE,
     )
 
-    def run():
-        wrapper.run(q, (k_cache, v_cache), out=out)
+    def run(factor):
+        assert factor is None, "FlashInfer has no skip-softmax decode on this GPU"
+        return lambda: wrapper.run(q, (k_cache, v_cache), out=out)
 
-    t_dense = timed(run, *DECODE_TIMING)
-    run()
-    return dict(kernel=f"decode ({DENSE_BACKEND}, tensor cores)", dense_ms=t_dense,
-                dense_tbps=kv_bytes / t_dense / 1e9, dense_rel_err=rel_err(out[check], exact), sweep=[],
-                note="FlashInfer has no skip-softmax decode on this GPU")
+    res = dict(kernel=f"decode ({DENSE_BACKEND}, tensor cores)",
+               **dense_and_sweep(run, [], DECODE_TIMING, None, lambda: rel_err(out[check], exact)),
+               note="FlashInfer has no skip-softmax decode on this GPU")
+    res["dense_tbps"] = kv_bytes / res["dense_ms"] / 1e9
+    return res
 
 
 def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float], args) -> dict:
@@ -332,18 +332,9 @@ def bench_decode(n: int, batch: int, heads: tuple[int, int], factors: list[float
     except (RuntimeError, torch.OutOfMemoryError) as e:  # report, don't fail the whole run
         sdpa_note = str(e)[:200]
 
-    t_dense = timed(ours(None), *DECODE_TIMING)
-    ours(None)()
-    triton = dict(dense_ms=t_dense, dense_tbps=kv_bytes / t_dense / 1e9, dense_rel_err=rel_err(out[check], exact),
-                  sweep=[])
-    for f in factors:
-        ctr.zero_()
-        ours(f)()
-        torch.cuda.synchronize()
-        visited, skipped = ctr[1].tolist()
-        err = rel_err(out[check], exact)
-        triton["sweep"].append(_sweep_entry(f, skipped / max(visited, 1), timed(ours(f), *DECODE_TIMING), t_dense, t_sdpa,
-                                                      err))
+    triton = dense_and_sweep(ours, factors, DECODE_TIMING, t_sdpa, lambda: rel_err(out[check], exact), ctr,
+                             kind_row=1)
+    triton["dense_tbps"] = kv_bytes / triton["dense_ms"] / 1e9
     impls = {"triton": triton}
     if importlib.util.find_spec("flashinfer") is not None:
         impls["flashinfer"] = bench_flashinfer_decode(q, k_cache, v_cache, page_table, out, check, exact, kv_bytes)
