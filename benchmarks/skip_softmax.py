@@ -8,12 +8,13 @@ prefill batch 1 at 16k, 32k, 64k tokens; decode batch 64 at 16k and 64k keys. Ea
 * ``triton``: our kernels, launched with the implementation's own defaults (the tile
   sizes of :class:`fullcg.SkipSoftmaxConfig`, the dense decode plan of the kernel);
 * ``flashinfer`` (with FlashInfer installed): prefill through FMHAv2 on SM90, called as
-  the ``flashinfer`` implementation calls it (paged K/V of one allocation); decode through
-  FlashInfer's dense decode wrapper, as the implementation plans it. FlashInfer has no
-  skip-softmax decode on Hopper, so its decode sweep is empty. With ``--fmha-v2-layouts``
-  its prefill entry also holds ``other_layouts``: FMHAv2 over the prompt's k/v given as
-  rows (``SEPARATE_Q_K_V``, ``CONTIGUOUS_Q_KV``), which a batch of prefills without a
-  cached prefix could run instead of the paged layout.
+  the ``flashinfer`` implementation calls it for a prompt with no cached prefix (dense over
+  paged K/V of one allocation, with a factor over the prompt's own k/v rows: ``layouts``
+  names both); decode through FlashInfer's dense decode wrapper, as the implementation
+  plans it. FlashInfer has no skip-softmax decode on Hopper, so its decode sweep is empty.
+  With ``--fmha-v2-layouts`` its prefill entry also holds ``other_layouts``: FMHAv2 with
+  the k/v rows given in each of these layouts (``SEPARATE_Q_K_V``, ``CONTIGUOUS_Q_KV``),
+  dense and swept, called directly.
 
 Each holds ``dense_ms`` (with TFLOP/s for prefill, counting 2 matmuls x 2 flops x N^2/2 x
 heads x dim, or TB/s of K and V read for decode), its dense error and a ``sweep`` over
@@ -210,17 +211,24 @@ def bench_prefill(n: int, heads: tuple[int, int], factors: list[float], args) ->
 def bench_fmha_v2(q, k_cache, v_cache, page_table, out, sub, exact, factors, reps, flops, t_sdpa,
                   layouts=()) -> dict:
     """FlashInfer's FMHAv2 on the same prefill, called as the ``flashinfer`` implementation
-    calls it; it counts no skipped tiles."""
+    calls it for a prompt with no cached prefix: dense over the cache's pages, with a factor
+    over the prompt's own k/v rows (copied into FMHAv2's packed layout, as the
+    implementation does); it counts no skipped tiles."""
     n, dev = q.shape[0], q.device
     cache = fullcg.KVCache(k_cache, v_cache)
     tables = fmha_v2.paged_tables(page_table, fmha_v2.v_offset_pages(cache))
+    k, v = k_cache.reshape(n, *k_cache.shape[2:]), v_cache.reshape(n, *v_cache.shape[2:])
     cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
     ws = torch.zeros(fmha_v2.WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+    scale = 1 / math.sqrt(HEAD_DIM)
 
     def run(factor):
-        return lambda: fmha_v2.attend_paged(q, out, cache, tables, cu, cu, n, n, 1 / math.sqrt(HEAD_DIM), factor, ws)
+        if factor is None:
+            return lambda: fmha_v2.attend_paged(q, out, cache, tables, cu, cu, n, n, scale, None, ws)
+        return lambda: fmha_v2.attend_contiguous(q, k, v, n, out, cu, n, True, scale, False, ws, factor)
 
-    res = dict(kernel="fmha_v2", **dense_and_sweep(run, factors, (reps,), t_sdpa, lambda: rel_err(out[sub], exact)))
+    res = dict(kernel="fmha_v2", layouts=dict(dense="Q_PAGED_KV_NHD", skip="CONTIGUOUS_Q_KV"),
+               **dense_and_sweep(run, factors, (reps,), t_sdpa, lambda: rel_err(out[sub], exact)))
     res["dense_tflops"] = flops / res["dense_ms"] / 1e9
     if layouts:
         res["other_layouts"] = {
@@ -392,7 +400,8 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--heads", nargs="*", default=["64/4", "32/8"], help="query/kv head layouts")
     p.add_argument("--prefill-factors", type=float, nargs="*", default=[1.0, 3.0, 30.0, 100.0, 300.0, 3000.0])
-    p.add_argument("--decode-factors", type=float, nargs="*", default=[100.0, 1000.0, 3000.0, 10000.0, 30000.0])
+    p.add_argument("--decode-factors", type=float, nargs="*",
+                   default=[1000.0, 3000.0, 10000.0, 14000.0, 30000.0, 50000.0])
     p.add_argument("--prefill-tile-q", type=int, default=defaults.tile_q)
     p.add_argument("--prefill-tile-kv", type=int, default=defaults.tile_kv)
     p.add_argument("--prefill-warps", type=int, default=None, help="default: the kernel's plan")

@@ -259,11 +259,11 @@ def test_fmha_v2_attends_over_given_kv_with_the_natural_log_lse_and_dead_padding
         torch.testing.assert_close(lse[s:e].double().cpu(), l, **TOL)
 
 
-def _two_level_batch() -> Batch:
-    """One extend request (960 cached + 64 new tokens, head dim 128) whose first 128 keys
-    score 3 above all others (after scaling) and carry v = 0, the others v = 1: dense
-    attention gives about 0.26 everywhere, skipping every tile past the first gives 0."""
-    head_dim, q_len, p_len = 128, 64, 960
+def _two_level_batch(q_len: int = 64, p_len: int = 960) -> Batch:
+    """One request (``p_len`` cached + ``q_len`` new tokens, head dim 128) whose first 128
+    keys score 3 above all others (after scaling) and carry v = 0, the others v = 1: dense
+    attention gives about 0.26 at the last rows, skipping every tile past the first gives 0."""
+    head_dim = 128
     b = make_batch([q_len], [p_len], num_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=DTYPE,
                    seed=5)
     n = q_len + p_len
@@ -298,6 +298,42 @@ def test_fmha_v2_honours_the_prefill_skip_factor_on_hopper_and_reports_its_calls
     assert out.float().abs().max() < 0.05
     stats = fullcg.skip_softmax_stats()[b.layer.layer_id]
     assert stats.unmeasured_calls == 1 and not stats.measured
+
+
+@needs_hopper
+def test_a_prefill_without_a_cached_prefix_runs_fmha_v2_over_its_own_rows_with_the_factor_and_lse(fmha_calls):
+    """No request has a cached prefix and the call saves its k/v: the cache holds exactly
+    those keys, so FMHAv2 attends over the rows (faster with a factor than over pages, and
+    with softmax statistics); the factor is honoured and the LSE is that of the kept tiles."""
+    flashinfer_impl()
+    b = _two_level_batch(q_len=1024, p_len=0)
+    dense, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    assert dense[-64:].min() > 0.2  # what ignoring the factor would give
+    fullcg.reset_skip_softmax_stats()
+    results = {}
+    for impl in ("flashinfer", "reference"):
+        with fullcg.forward_context(b.metadata, b.layer, config=config(impl, prefill_scale_factor=128.0)):
+            results[impl] = b.layer(b.q, b.k, b.v, return_lse=True)
+    assert fmha_calls == ["attend_contiguous"]
+    (out, lse), (ref, ref_lse) = results["flashinfer"], results["reference"]
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    assert out.float().abs().max() < 0.05
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    assert fullcg.skip_softmax_stats()[b.layer.layer_id].unmeasured_calls == 1
+    # The saved k/v are in the cache as usual: a later extend step reads them.
+    pages = b.metadata.page_table[0, :8].long()
+    assert torch.equal(b.layer.kv_cache.k[pages, 0], b.k[0:128:16])
+
+
+@needs_hopper
+def test_a_prefill_without_a_cached_prefix_and_no_factor_or_lse_stays_on_the_paged_kernel(fmha_calls):
+    """Dense and without LSE the paged kernel is as fast and needs no copy of k/v."""
+    flashinfer_impl()
+    b = batch("prefill", head_dim=128)
+    with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer")):
+        b.layer(b.q, b.k, b.v)
+        b.layer(b.q, b.k, b.v, return_lse=True)
+    assert fmha_calls == ["attend_paged", "attend_contiguous"]
 
 
 @needs_hopper
@@ -441,7 +477,8 @@ def test_auto_runs_skip_softmax_prefill_on_fmha_v2_and_what_flashinfer_would_ref
             with fullcg.forward_context(b.metadata, b.layer, config=config(impl, **factors)):
                 outs.append(b.layer(b.q, b.k, b.v))
         torch.testing.assert_close(outs[0].float(), outs[1].float(), **TOL)
-    assert fmha_calls == ["attend_paged"]
+    # The prefill batch has no cached prefix: FMHAv2 over its own rows (see above).
+    assert fmha_calls == ["attend_contiguous"]
 
 
 @needs_gpu

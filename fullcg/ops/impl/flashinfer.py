@@ -12,7 +12,8 @@ What each call uses:
 On Hopper (SM90), steps outside CUDA-graph capture run prefill and extend attention in
 bfloat16 through FMHAv2 instead (:mod:`fullcg.ops.impl.fmha_v2` says exactly which calls),
 which also honours a skip-softmax factor there (over the KV cache only, as every factor
-here); ``FlashInferAttention.use_fmha_v2 = False`` turns that off.
+here) and, for prefills with no cached prefix, returns LSE over the cache;
+``FlashInferAttention.use_fmha_v2 = False`` turns that off.
 
 FlashInfer's LSE is base 2; it is converted to the natural log at this boundary. Rows past
 the batch's real tokens (and rows of a request with nothing to attend to, as in a prefix
@@ -429,8 +430,8 @@ class FlashInferAttention(AttentionImpl):
         elif (major := torch.cuda.get_device_capability(call.q.device)[0] if call.q.is_cuda else 0) < 10:
             return None, ValueError(
                 f"{where}: FlashInfer honours a skip-softmax factor only through FMHAv2 on SM90 (bfloat16 batches "
-                "of prefill and extend requests only, over a cache made by KVCache.allocate, no LSE, outside CUDA-graph "
-                f"capture) and its trtllm-gen backend on SM100+; this call is not one of those (SM{major}x), and the "
+                "of prefill and extend requests only, over a cache made by KVCache.allocate, with LSE only where no "
+                f"request has a cached prefix, outside CUDA-graph capture) and its trtllm-gen backend on SM100+; this call is not one of those (SM{major}x), and the "
                 f"factor would be silently ignored. {alternative}, or unset the skip-softmax factors"
             )
         if len(factors) > 1 or None in wanted:
@@ -556,9 +557,12 @@ class FlashInferAttention(AttentionImpl):
             return False
         md = ctx.metadata
         if kind[0] == "cache":
-            if md.has_decode or call.return_lse or not fmha_v2.page_size_fits(md.page_size, shape.head_dim):
+            if md.has_decode:
                 return False
-            if fmha_v2.v_offset_pages(cache) is None:
+            if not self._cache_as_rows(call, md) and (
+                call.return_lse or not fmha_v2.page_size_fits(md.page_size, shape.head_dim)
+                or fmha_v2.v_offset_pages(cache) is None
+            ):
                 return False
         elif kind[0] == "ragged":
             rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
@@ -576,6 +580,19 @@ class FlashInferAttention(AttentionImpl):
         if _in_captured_graph(ctx):
             return False
         return fmha_v2.available(shape.device.index or 0)
+
+    @staticmethod
+    def _cache_as_rows(call: AttentionCall, md: AttentionMetadata) -> bool:
+        """Whether FMHAv2 attends over the call's own k/v rather than the cache's pages: no
+        request has a cached prefix and the call saves its k/v, so the cache holds exactly
+        those keys; taken where rows pay (a skip-softmax factor: faster over rows) or are
+        needed (LSE: FMHAv2 has softmax statistics for rows only)."""
+        if not call.save_kv_cache or not (call.return_lse or call.prefill_scale_factor is not None):
+            return False
+        if any(md.prefix_lens):
+            return False
+        rows = call.k.shape[0] if call.key_value_num_tokens is None else call.key_value_num_tokens
+        return md.num_tokens <= rows <= call.q.shape[0]
 
     def _fmha_batch_of(self, md: AttentionMetadata) -> _FmhaBatch:
         batch = self._fmha_batch
@@ -598,7 +615,7 @@ class FlashInferAttention(AttentionImpl):
                                                                    device=q.device)
         batch = self._fmha_batch_of(md)
         cu_q = md.query_start_loc
-        if kind[0] == "cache":
+        if kind[0] == "cache" and not self._cache_as_rows(call, md):
             offset = fmha_v2.v_offset_pages(cache)
             tables = batch.tables.get(offset)
             if tables is None:
@@ -607,9 +624,11 @@ class FlashInferAttention(AttentionImpl):
                                  float(call.scale), factor, ws)
             lse = None
         else:
+            # Attention over the cache is causal (a new token sees its prefix and itself).
+            causal = kind[0] == "cache" or bool(call.causal)
             lse = fmha_v2.attend_contiguous(
-                q, call.k, call.v, md.num_tokens, target, cu_q, batch.max_q_len, bool(call.causal),
-                float(call.scale), call.return_lse, ws,
+                q, call.k, call.v, md.num_tokens, target, cu_q, batch.max_q_len, causal, float(call.scale),
+                call.return_lse, ws, factor,
             )
         return self._finish(call, md, target, lse)
 

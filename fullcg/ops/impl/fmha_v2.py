@@ -12,9 +12,13 @@ captured after a warm-up run, which therefore stays on FA2 as the capture does):
   must be one allocation with V a whole number of pages after K, as
   :meth:`fullcg.KVCache.allocate` makes them; the page size must be a power of two that
   divides, or is a multiple of, the kernel's KV tile;
-- attention over given k/v packed like q (``CONTIGUOUS_Q_KV``), with its LSE.
+- attention over given k/v packed like q (``CONTIGUOUS_Q_KV``), with its LSE;
+- the same for attention over the cache by a batch in which no request has a cached
+  prefix and the call saves its k/v there (so the keys in the cache are exactly the given
+  k/v), when the call asks for LSE or a skip-softmax factor: FMHAv2 skips faster over rows
+  than over pages, and saves softmax statistics only for rows.
 
-Everything else (batches with decode requests, LSE over the cache, prefix chunks, fp16,
+Everything else (batches with decode requests, LSE over a cached prefix, prefix chunks, fp16,
 full graphs at capture sizes) stays on the FlashAttention-2 wrappers. Capture is left out
 because FMHAv2 bakes the batch size, the longest query and q's row count into its launch.
 
@@ -186,10 +190,16 @@ def attend_contiguous(
     scale: float,
     want_lse: bool,
     workspace: torch.Tensor,
+    factor: float | None = None,
 ) -> torch.Tensor | None:
     """Attention of each request's rows of q over the same rows of k/v (the first
     ``num_tokens`` are the real ones), into ``out``; the natural-log LSE ``[T, Hq]`` iff
-    ``want_lse`` (rows past ``cu_q[-1]`` undefined)."""
+    ``want_lse`` (rows past ``cu_q[-1]`` undefined), with skip-softmax at ``factor``.
+
+    This is also how prefills without a cached prefix attend over the cache: their keys
+    are exactly their own new k/v, and FMHAv2 over rows is faster with a factor than
+    over pages (1.22-1.24x SDPA at factor 30 against 1.12-1.14x, on an H200 at 16k
+    tokens; ``benchmarks/skip_softmax.py --fmha-v2-layouts``) and saves softmax statistics."""
     from flashinfer.prefill import trtllm_fmha_v2_prefill
 
     n, rows = num_tokens, q.shape[0]
@@ -208,7 +218,7 @@ def attend_contiguous(
         (q, kv), "CONTIGUOUS_Q_KV", workspace_buffer=workspace, seq_lens=cu_q[1:],
         max_q_len=max_q_len, max_kv_len=max_q_len, bmm1_scale=scale, bmm2_scale=1.0, batch_size=cu_q.shape[0] - 1,
         cum_seq_lens_q=cu_q, cum_seq_lens_kv=cu_q, out=out, mask_mode="causal" if causal else "padding",
-        save_softmax_stats=want_lse,
+        save_softmax_stats=want_lse, skip_softmax_threshold_scale_factor=factor or 0.0,
     )
     if not want_lse:
         return None
