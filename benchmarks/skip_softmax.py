@@ -407,7 +407,7 @@ def main() -> None:
     p.add_argument("--prefill-warps", type=int, default=None, help="default: the kernel's plan")
     p.add_argument("--prefill-stages", type=int, default=None, help="default: the kernel's plan")
     p.add_argument("--decode-tile-kv", type=int, default=defaults.tile_kv)
-    p.add_argument("--decode-split", type=int, default=16, help="tiles per skip-softmax decode run")
+    p.add_argument("--decode-split", type=int, default=32, help="tiles per skip-softmax decode run")
     p.add_argument("--fmha-v2-layouts", nargs="*", default=[], choices=["SEPARATE_Q_K_V", "CONTIGUOUS_Q_KV"],
                    help="also time FMHAv2 prefill over k/v given as rows in these layouts (under other_layouts)")
     p.add_argument("--sink-logit", type=float, default=14.0)

@@ -186,10 +186,10 @@ def test_padding_rows_are_zero_with_minus_infinite_lse(name):
 
 
 @needs_gpu
-@pytest.mark.parametrize(("name", "return_lse"), [("decode", False), ("prefill", True)])
+@pytest.mark.parametrize(("name", "return_lse"), [("decode", False), ("extend", True)])
 def test_a_skip_softmax_factor_is_refused_below_sm100_where_flashinfer_would_ignore_it(name, return_lse):
     """Below SM100 only FMHAv2 honours a factor, and it runs neither decode-only batches
-    nor attention over the cache that returns LSE."""
+    nor attention over a cached prefix that returns LSE."""
     flashinfer_impl()
     if torch.cuda.get_device_capability()[0] >= 10:
         pytest.skip("SM100+ passes the factor to FlashInfer's trtllm-gen backend")

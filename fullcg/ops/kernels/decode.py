@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from fullcg.ops.kernels.launch import Launcher, PlannedLaunch
-from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source, tile_scores, tile_skippable
+from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
 
 __all__ = ["decode_attention", "plan_decode", "DecodeLaunch", "MAX_DENSE_SPLITS"]
 
@@ -119,57 +119,6 @@ def _store_empty_row(Out, Lse, row, head, offs_dv, g_ok, stride_ot, stride_oh, s
                      BLOCK_M: tl.constexpr, HEAD_DV: tl.constexpr):
     _store_row(Out, Lse, row, head, offs_dv, tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32),
                tl.full([BLOCK_M], float("-inf"), tl.float32), g_ok, stride_ot, stride_oh, stride_lt)
-
-
-@triton.jit
-def _skip_run(
-    q, m_i, l_i, acc, K, V, page_row, kv_start, kv_len, first, last, row_ok, offs_d, offs_dv,
-    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale2, log2_lam,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """Skip-softmax attention over tiles ``[first, last)``, one run: the state after it and
-    the number of tiles skipped.
-
-    The skip test needs only scores and the running maximum (a skipped tile's maximum is
-    below it, so the maximum is the same whether a tile is skipped or not), so each tile's
-    test is made one tile ahead, from K alone: V's load for tile ``t`` is issued before
-    tile ``t + 1``'s scores are computed, and is predicated off for a skipped tile (no bytes
-    move), where loading it after the test would leave every kept tile waiting on its V.
-    """
-    # Keys past the run score -inf for every row: the look-ahead past the last tile reads nothing.
-    key_limit = tl.minimum(kv_len, last * BLOCK_N)
-    row_limit = tl.where(row_ok, key_limit, 0)
-    k_offs, pos = kv_offsets(page_row, kv_start, first * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE,
-                             BLOCK_N)
-    qk = tile_scores(q, K, k_offs, pos, key_limit, row_limit, offs_d, qk_scale2, True, DOT_F32)
-    keep = 1  # a run's first tile is never skipped
-    n_skipped = 0
-    for t in range(first, last):
-        v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE,
-                                 BLOCK_N)
-        v = tl.load(V + v_offs[:, None] + offs_dv[None, :], mask=((pos < key_limit) & (keep != 0))[:, None], other=0.0)
-        # Past the last tile the page-table entry may lie past the table: address the last
-        # tile again, every key masked off by its true position.
-        k_offs, _ = kv_offsets(page_row, kv_start, tl.minimum(t + 1, last - 1) * BLOCK_N, kv_len, stride_kp,
-                               stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
-        pos = (t + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        qk_next = tile_scores(q, K, k_offs, pos, key_limit, row_limit, offs_d, qk_scale2, True, DOT_F32)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        keep_next = 1 - tile_skippable(tl.max(qk_next, 1), m_new, row_limit, log2_lam)
-        if keep != 0:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_F32:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        n_skipped += 1 - keep
-        m_i = m_new
-        qk = qk_next
-        keep = keep_next
-    return m_i, l_i, acc, n_skipped
 
 
 # What changes from step to step is not specialised on, so a new batch, capture size or
@@ -262,30 +211,22 @@ def _decode_kernel(
     page_row = PageTable + req.to(tl.int64) * stride_pt
     K_h = K + kvh.to(tl.int64) * stride_kh
     V_h = V + kvh.to(tl.int64) * stride_vh
-    if SKIP:
-        m_i, l_i, acc, n_skipped = _skip_run(
-            q, m_i, l_i, acc, K_h, V_h, page_row, kv_start, kv_len, first, last, row_ok, offs_d, offs_dv,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale2, log2_lam, PAGED, PAGE_SIZE, BLOCK_N, DOT_F32,
+    for t in range(first, n_full):
+        k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
+        v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc, sk = attend_tile(
+            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
+            qk_scale2, log2_lam, t - first, False, SKIP, DOT_F32,
         )
-    else:
-        for t in range(first, n_full):
-            k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE,
-                                     BLOCK_N)
-            v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE,
-                                     BLOCK_N)
-            m_i, l_i, acc, sk = attend_tile(
-                q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
-                qk_scale2, log2_lam, t - first, False, False, DOT_F32,
-            )
-        for t in range(tl.maximum(n_full, first), last):
-            k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE,
-                                     BLOCK_N)
-            v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE,
-                                     BLOCK_N)
-            m_i, l_i, acc, sk = attend_tile(
-                q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
-                qk_scale2, log2_lam, t - first, True, False, DOT_F32,
-            )
+        n_skipped += sk
+    for t in range(tl.maximum(n_full, first), last):
+        k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
+        v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc, sk = attend_tile(
+            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
+            qk_scale2, log2_lam, t - first, True, SKIP, DOT_F32,
+        )
+        n_skipped += sk
     if SKIP:
         # Decode counters: row [1] of the layer's [2, 2] tensor.
         tl.atomic_add(Ctr + 2, (last - first).to(tl.int64))
