@@ -363,21 +363,20 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    for r in results:
-        for name, impl in r["impls"].items():
-            if not impl["sweep"] or not r["sdpa_ms"]:
-                continue
-            label = f"{r['kind']} {r['n'] // 1024}k {r['heads'][0]}/{r['heads'][1]} {name}"
-            style = "-" if name == "triton" else "--"
-            dense_x = 0.1 if r["kind"] == "prefill" else 10.0
-            xs = [dense_x] + [s["factor"] for s in impl["sweep"]]
-            axes[0].plot(xs, [r["sdpa_ms"] / impl["dense_ms"]] + [s["speedup_vs_sdpa"] for s in impl["sweep"]],
-                         style, marker="o", label=label)
-            axes[1].plot(xs, [impl["dense_rel_err"]] + [s["rel_err"] for s in impl["sweep"]], style, marker="o",
-                         label=label)
-            if impl["sweep"][0]["skipped_fraction"] is not None:
-                axes[2].plot(xs, [0.0] + [s["skipped_fraction"] for s in impl["sweep"]], style, marker="o",
-                             label=label)
+    lines = [(r, name, impl) for r in results for name, impl in r["impls"].items() if impl["sweep"] and r["sdpa_ms"]]
+    colours = plt.get_cmap("tab20").colors  # one colour per line: the default cycle repeats after 10
+    for i, (r, name, impl) in enumerate(lines):
+        label = f"{r['kind']} {r['n'] // 1024}k {r['heads'][0]}/{r['heads'][1]} {name}"
+        style = dict(linestyle="-" if name == "triton" else "--", color=colours[i % len(colours)])
+        dense_x = 0.1 if r["kind"] == "prefill" else 10.0
+        xs = [dense_x] + [s["factor"] for s in impl["sweep"]]
+        axes[0].plot(xs, [r["sdpa_ms"] / impl["dense_ms"]] + [s["speedup_vs_sdpa"] for s in impl["sweep"]],
+                     marker="o", label=label, **style)
+        axes[1].plot(xs, [impl["dense_rel_err"]] + [s["rel_err"] for s in impl["sweep"]], marker="o", label=label,
+                     **style)
+        if impl["sweep"][0]["skipped_fraction"] is not None:
+            axes[2].plot(xs, [0.0] + [s["skipped_fraction"] for s in impl["sweep"]], marker="o", label=label,
+                         **style)
     for ax, ylabel in zip(axes, ("speed-up over SDPA dense", "relative output error vs float64",
                                  "skipped fraction of tiles (counted)")):
         ax.set_xscale("log")
