@@ -431,8 +431,9 @@ class FlashInferAttention(AttentionImpl):
             return None, ValueError(
                 f"{where}: FlashInfer honours a skip-softmax factor only through FMHAv2 on SM90 (bfloat16 batches "
                 "of prefill and extend requests only, over a cache made by KVCache.allocate, with LSE only where no "
-                f"request has a cached prefix, outside CUDA-graph capture) and its trtllm-gen backend on SM100+; this call is not one of those (SM{major}x), and the "
-                f"factor would be silently ignored. {alternative}, or unset the skip-softmax factors"
+                "request has a cached prefix, outside CUDA-graph capture) and its trtllm-gen backend on SM100+; this "
+                f"call is not one of those (SM{major}x), and the factor would be silently ignored. {alternative}, "
+                "or unset the skip-softmax factors"
             )
         if len(factors) > 1 or None in wanted:
             return None, ValueError(
