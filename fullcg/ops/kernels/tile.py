@@ -48,37 +48,6 @@ def kv_offsets(
 
 
 @triton.jit
-def tile_scores(q, K, k_offs, pos, key_limit, row_limit, offs_d, qk_scale2, MASK: tl.constexpr, DOT_F32: tl.constexpr):
-    """Scores (log2 units) of the rows of ``q`` against the keys at ``k_offs``. With ``MASK``,
-    keys at or past ``key_limit`` are not loaded and row ``i``'s keys at or past
-    ``row_limit[i]`` score -inf; without it every key is loaded and visible."""
-    if MASK:
-        k = tl.load(K + k_offs[:, None] + offs_d[None, :], mask=(pos < key_limit)[:, None], other=0.0)
-    else:
-        k = tl.load(K + k_offs[:, None] + offs_d[None, :])
-    if DOT_F32:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale2
-    if MASK:
-        qk = tl.where(pos[None, :] < row_limit[:, None], qk, float("-inf"))
-    return qk
-
-
-@triton.jit
-def tile_skippable(tile_max, m_i, row_limit, log2_lam):
-    """1 if every row agrees the tile is negligible (``tile_max - m_i < log2(lambda)``, or no
-    key of the tile visible to it), else 0: the skip rule, for a tile that is not a run's first.
-    Padding rows (``row_limit`` 0) see nothing: they always agree."""
-    seen = tl.where(row_limit > 0, tile_max, float("-inf"))
-    m_known = m_i > float("-inf")
-    gap = seen - tl.where(m_known, m_i, 0.0)  # never -inf - -inf: no NaN even where unused
-    agree = (seen == float("-inf")) | (m_known & (gap < log2_lam))
-    return tl.min(agree.to(tl.int32), 0)
-
-
-@triton.jit
 def attend_tile(
     q,
     m_i,
@@ -106,11 +75,27 @@ def attend_tile(
     ``MASK`` false every key of the tile is visible to every real row. ``run_index`` is the tile's
     place in its run: 0 for the first tile of a run. Returns the new state and 1 if the tile was skipped.
     """
-    qk = tile_scores(q, K, k_offs, pos, kv_len, row_limit, offs_d, qk_scale2, MASK, DOT_F32)
+    if MASK:
+        k = tl.load(K + k_offs[:, None] + offs_d[None, :], mask=(pos < kv_len)[:, None], other=0.0)
+    else:
+        k = tl.load(K + k_offs[:, None] + offs_d[None, :])
+    if DOT_F32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale2
+    if MASK:
+        qk = tl.where(pos[None, :] < row_limit[:, None], qk, float("-inf"))
     tile_max = tl.max(qk, 1)
     skipped = 0
     if SKIP:
-        skipped = tl.where(run_index > 0, tile_skippable(tile_max, m_i, row_limit, log2_lam), 0)
+        # Padding rows (row_limit 0) see nothing: they always agree to skip.
+        seen = tl.where(row_limit > 0, tile_max, float("-inf"))
+        m_known = m_i > float("-inf")
+        gap = seen - tl.where(m_known, m_i, 0.0)  # never -inf - -inf: no NaN even where unused
+        agree = (seen == float("-inf")) | (m_known & (gap < log2_lam))
+        all_agree = tl.min(agree.to(tl.int32), 0)
+        skipped = tl.where(run_index > 0, all_agree, 0)
     if skipped == 0:
         m_new = tl.maximum(m_i, tile_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
