@@ -12,7 +12,44 @@ from fullcg.context import CacheOwner
 from fullcg.kv_cache import KVCache
 from fullcg.ops.attention import ATTENTION_OPS
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "fold_sinks"]
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with a sink column added to each row's softmax, from attention without it.
+
+    A sink logit ``s`` (per head, no value) scales a row's output by
+    ``sum / (sum + e^s) = sigmoid(lse - s)`` and adds itself to the LSE, exactly. Rows that
+    saw nothing (padding; LSE -inf) stay zero with LSE -inf.
+    """
+    s = sinks.to(torch.float32)
+    weight = torch.sigmoid(lse - s)
+    out = (out.to(torch.float32) * weight[..., None]).to(out.dtype)
+    lse = torch.where(torch.isneginf(lse), lse, torch.logaddexp(lse, s))
+    return out, lse
+
+
+class _NoBackward(torch.autograd.Function):
+    """Marks attention results as depending on its inputs, with a backward that refuses:
+    fullcg's ops compute no gradients, and autograd would otherwise treat the results as
+    constants and return wrong gradients for everything before them."""
+
+    @staticmethod
+    def forward(ctx, layer_id, result, *inputs):  # type: ignore[override]
+        ctx.layer_id = layer_id
+        return result.view_as(result)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        raise RuntimeError(
+            f"fullcg.Attention (layer {ctx.layer_id}) has no backward: fullcg's attention ops are for inference. "
+            "Run steps under torch.inference_mode() (or torch.no_grad()); to fine-tune, use another attention "
+            "implementation (for a transformers model, attn_implementation='sdpa')"
+        )
+
 
 class Attention(nn.Module, CacheOwner):
     """Attention over a paged KV cache (or over given k/v) through the ``fullcg`` ops.
@@ -28,6 +65,13 @@ class Attention(nn.Module, CacheOwner):
         layer_id: unique per layer of a model; names the layer's KV cache and counters.
         scale: softmax scale; defaults to ``1 / sqrt(head_dim)``.
         v_head_dim: value head size; defaults to ``head_dim``.
+        sliding_window: each query sees only itself and the ``sliding_window - 1`` keys
+            before it (Mistral, Gemma 2/3, gpt-oss); None: every earlier key.
+        logit_softcap: scores become ``c * tanh(scores / c)`` before the softmax (Gemma 2);
+            None: no capping.
+        sinks: the layer holds a learned sink logit per query head (``self.sinks``,
+            ``[num_heads]``, gpt-oss): an extra softmax column with no value, which takes
+            its share of each row's weight. :meth:`forward` also takes sinks per call.
 
     Skip-softmax factors come from the step's config (the forward context's, or the
     compile backend's for compiled steps), never from the layer, so eager and compiled
@@ -43,6 +87,9 @@ class Attention(nn.Module, CacheOwner):
         layer_id: int,
         scale: float | None = None,
         v_head_dim: int | None = None,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -55,18 +102,38 @@ class Attention(nn.Module, CacheOwner):
             raise ValueError(f"Attention: layer_id must be a non-negative integer, got {layer_id!r}")
         if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"Attention: scale must be a positive finite number, got {scale!r}")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0
+        ):
+            raise ValueError(
+                f"Attention: sliding_window must be a positive integer (keys a query sees, itself included), "
+                f"got {sliding_window!r}"
+            )
+        if logit_softcap is not None and not _positive_finite(logit_softcap):
+            raise ValueError(f"Attention: logit_softcap must be a positive finite number, got {logit_softcap!r}")
+        if not isinstance(sinks, bool):
+            raise TypeError(
+                f"Attention: sinks must be True or False (a learned sink per head); pass sink logits per call as "
+                f"forward(..., sinks=tensor), got {type(sinks).__name__}"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.layer_id = layer_id
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.sliding_window = sliding_window
+        self.logit_softcap = float(logit_softcap) if logit_softcap is not None else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self._kv_cache: KVCache | None = None
 
     def extra_repr(self) -> str:
         return (
             f"layer_id={self.layer_id}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scale={self.scale:.4g}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else "")
+            + (f", logit_softcap={self.logit_softcap:g}" if self.logit_softcap is not None else "")
+            + (", sinks=True" if self.sinks is not None else "")
         )
 
     def allocate_kv_cache(
@@ -121,6 +188,8 @@ class Attention(nn.Module, CacheOwner):
         causal: bool = True,
         prefix_chunk: int | None = None,
         save_kv_cache: bool | None = None,
+        sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend ``q`` over this step's keys; returns ``out`` (and LSE if ``return_lse``).
 
@@ -135,21 +204,51 @@ class Attention(nn.Module, CacheOwner):
         suffix, which attends over given k/v. ``key_value_num_tokens`` says how many leading rows
         of ``k``/``v`` are valid; the rest (padding) is never read. LSE is
         ``float32 [T, num_heads]``, natural log.
+
+        ``sinks`` (``[num_heads]`` logits; default: the layer's own, if it has them) adds a
+        sink column to each row's softmax; the LSE returned includes it. A call over a
+        prefix chunk never applies sinks: they belong once to the row, and the chunked-prefix
+        pattern applies them with the new tokens' call, whose result the chunks merge into.
+        ``scale`` overrides the layer's softmax scale for this call (a model that scales q
+        itself passes 1.0).
         """
         flat = q.dim() == 2
         q3 = self._as_3d(q, "q", self.num_heads, self.head_dim)
         k3 = self._as_3d(k, "k", self.num_kv_heads, self.head_dim)
         v3 = self._as_3d(v, "v", self.num_kv_heads, self.v_head_dim)
+        if scale is None:
+            scale = self.scale
+        elif not _positive_finite(scale):
+            raise ValueError(f"Attention(layer_id={self.layer_id}): scale must be a positive finite number, got {scale!r}")
+        if sinks is None:
+            sinks = self.sinks
+        if prefix_chunk is not None:
+            sinks = None
+        elif sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != self.num_heads):
+            raise ValueError(
+                f"Attention(layer_id={self.layer_id}): sinks must be [{self.num_heads}] (one logit per query head), "
+                f"got shape {tuple(sinks.shape)}"
+            )
         out = torch.empty((q3.shape[0], self.num_heads, self.v_head_dim), dtype=q3.dtype, device=q3.device)
         prefill_factor, decode_factor = context.skip_softmax_factors()
-        op = ATTENTION_OPS[(context.is_breakable(), bool(return_lse))]
+        op = ATTENTION_OPS[(context.is_breakable(), bool(return_lse) or sinks is not None)]
         lse = op(
-            q3, k3, v3, out, self.layer_id, key_value_num_tokens, prefill_factor, decode_factor, self.scale,
+            q3, k3, v3, out, self.layer_id, key_value_num_tokens, prefill_factor, decode_factor, scale,
             use_kv_cache, causal, prefix_chunk, use_kv_cache if save_kv_cache is None else save_kv_cache,
+            self.sliding_window, self.logit_softcap,
             # The cache's uid: the op checks the step's cache for this layer is this one. Dynamo
             # guards on it, so a layer given a new cache (new addresses) compiles anew.
             self._kv_cache.uid if self._kv_cache is not None else 0,
         )
+        if sinks is not None:
+            out, lse = fold_sinks(out, lse, sinks)
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+        ):
+            inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+            out = _NoBackward.apply(self.layer_id, out, *inputs)
+            if lse is not None:
+                lse = _NoBackward.apply(self.layer_id, lse, *inputs)
         if flat:
             out = out.view(q3.shape[0], self.num_heads * self.v_head_dim)
         return (out, lse) if return_lse else out
@@ -170,8 +269,8 @@ class Attention(nn.Module, CacheOwner):
         out3 = self._as_3d(out, "out", self.num_heads, self.v_head_dim)
         prefill_factor, decode_factor = context.skip_softmax_factors()
         torch.ops.fullcg.merge_prefix_chunks.default(
-            q3, out3, lse, self.layer_id, prefill_factor, decode_factor, self.scale,
-            self._kv_cache.uid if self._kv_cache is not None else 0,
+            q3, out3, lse, self.layer_id, prefill_factor, decode_factor, self.scale, self.sliding_window,
+            self.logit_softcap, self._kv_cache.uid if self._kv_cache is not None else 0,
         )
 
     def gather_prefix_chunk(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,10 +75,11 @@ def _register(name: str, schema: str, kernel: object, fake: object, tags: tuple[
 ATTRIBUTE_SCHEMA = (
     "int layer_id, SymInt? key_value_num_tokens=None, float? skip_softmax_prefill_scale_factor=None, "
     "float? skip_softmax_decode_scale_factor=None, float? scale=None, bool use_kv_cache=True, "
-    "bool causal=True, int? prefix_chunk=None, bool? save_kv_cache=None, int kv_cache_id=0"
+    "bool causal=True, int? prefix_chunk=None, bool? save_kv_cache=None, int? sliding_window=None, "
+    "float? logit_softcap=None, int kv_cache_id=0"
 )
 ATTRIBUTE_NAMES = tuple(part.split("=")[0].split()[-1] for part in ATTRIBUTE_SCHEMA.split(", "))
-_ATTRIBUTE_DEFAULTS = (None, None, None, None, True, True, None, None, 0)  # all but layer_id
+_ATTRIBUTE_DEFAULTS = (None, None, None, None, True, True, None, None, None, None, 0)  # all but layer_id
 _NUM_ATTRIBUTES = len(ATTRIBUTE_NAMES)
 
 
@@ -86,11 +87,11 @@ def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple) -> AttentionCal
     """Name the positional attributes the dispatcher passes and fill in derived defaults."""
     if len(attrs) != len(ATTRIBUTE_NAMES):
         attrs = attrs + _ATTRIBUTE_DEFAULTS[len(attrs) - 1 :]
-    layer_id, kv_tokens, prefill, decode, scale, use_kv_cache, causal, chunk, save, cache_id = attrs
+    layer_id, kv_tokens, prefill, decode, scale, use_kv_cache, causal, chunk, save, window, softcap, cache_id = attrs
     return AttentionCall(
         op, q, k, v, out, layer_id, kv_tokens, prefill, decode,
         scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        use_kv_cache, causal, chunk, use_kv_cache if save is None else save, return_lse, cache_id,
+        use_kv_cache, causal, chunk, use_kv_cache if save is None else save, return_lse, cache_id, window, softcap,
     )
 
 
@@ -109,6 +110,21 @@ def step_implementations(ctx: ForwardContext) -> tuple[AttentionImpl, ...]:
     (``auto``) ran them on, once each: what replays of a captured step plan."""
     found = [v for k, v in ctx.memo.items() if isinstance(k, tuple) and k and k[0] == "impl"]
     return tuple({id(i): i for i in found}.values())
+
+
+def _check_saved_once(call: AttentionCall, ctx: ForwardContext) -> None:
+    """A layer owns one KV cache slot per token: a second save in one step would overwrite the
+    first (a module that calls attention twice per layer, e.g. on two halves of v). Compiled
+    graphs are checked once at compile time instead (``AttributesPass``)."""
+    mark = ("saved_kv", call.layer_id)
+    if mark in ctx.memo:
+        raise RuntimeError(
+            f"fullcg.{call.op} (layer {call.layer_id}): this layer saved new k/v twice in one step, so the second "
+            "save overwrites the first in the layer's KV cache and later steps would read the wrong k/v. fullcg keeps "
+            "one cache per layer_id: give each attention call that saves its own fullcg.Attention with its own "
+            "layer_id, or pass save_kv_cache=False to the calls that attend over given k/v only"
+        )
+    ctx.memo[mark] = True
 
 
 def _define(name: str, return_lse: bool, breakable: bool) -> object:
@@ -136,6 +152,8 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
             if ctx is None:
                 ctx = get_forward_context()  # raises, saying how to enter one
         cache = check_against_context(call, ctx)
+        if call.save_kv_cache and not ctx.compiled:
+            _check_saved_once(call, ctx)
         impl = step_implementation(ctx, q.device, q.shape[2], v.shape[2])
         if call.save_kv_cache:
             impl.save_kv(call, ctx, cache)
@@ -310,6 +328,8 @@ def _merge_prefix_chunks(
     skip_softmax_prefill_scale_factor: Optional[float] = None,
     skip_softmax_decode_scale_factor: Optional[float] = None,
     scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    logit_softcap: Optional[float] = None,
     kv_cache_id: int = 0,
 ) -> None:
     """Attend ``q`` over every chunk of the step's cached prefix and merge each into
@@ -347,8 +367,9 @@ def _merge_prefix_chunks(
     call = AttentionCall(
         "merge_prefix_chunks", q, k_c, v_c, out_c, layer_id, None, skip_softmax_prefill_scale_factor,
         skip_softmax_decode_scale_factor, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        False, False, 0, False, True, kv_cache_id,
+        False, False, 0, False, True, kv_cache_id, sliding_window, logit_softcap,
     )
+    check_tensors(call)  # the window and soft-cap values (shapes were checked above)
     layer_cache(call, ctx)  # the calling layer's own cache, and it fits (raises naming the fix)
     impl = step_implementation(ctx, q.device, q.shape[2], out.shape[2])
     for c, plan in enumerate(md.prefix_chunks):
@@ -366,13 +387,15 @@ def _merge_prefix_chunks_fake(q, out, lse, layer_id, *attrs) -> None:
 
 #: The attributes of ``merge_prefix_chunks`` after ``q, out, lse`` (the attention ops' names).
 MERGE_PREFIX_ATTRIBUTES = (
-    "layer_id", "skip_softmax_prefill_scale_factor", "skip_softmax_decode_scale_factor", "scale", "kv_cache_id",
+    "layer_id", "skip_softmax_prefill_scale_factor", "skip_softmax_decode_scale_factor", "scale", "sliding_window",
+    "logit_softcap", "kv_cache_id",
 )
 
 merge_prefix_chunks = _register(
     "merge_prefix_chunks",
     "(Tensor q, Tensor(a!) out, Tensor(b!) lse, int layer_id, float? skip_softmax_prefill_scale_factor=None, "
-    "float? skip_softmax_decode_scale_factor=None, float? scale=None, int kv_cache_id=0) -> ()",
+    "float? skip_softmax_decode_scale_factor=None, float? scale=None, int? sliding_window=None, "
+    "float? logit_softcap=None, int kv_cache_id=0) -> ()",
     _merge_prefix_chunks,
     _merge_prefix_chunks_fake,
     _BREAKABLE_TAGS,

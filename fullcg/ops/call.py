@@ -7,6 +7,7 @@ rejects the same bad input with the same message.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -50,6 +51,8 @@ class AttentionCall:
     save_kv_cache: bool
     return_lse: bool
     kv_cache_id: int = 0
+    sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 keys before it
+    logit_softcap: float | None = None  # scores become c * tanh(scores / c) before the softmax
 
     @property
     def num_q_heads(self) -> int:
@@ -112,6 +115,17 @@ def check_tensors(call: AttentionCall) -> None:
             torch._check(kv_tokens <= k.shape[0], lambda: message)
     check_scale_factor(call.prefill_scale_factor, "skip_softmax_prefill_scale_factor")
     check_scale_factor(call.decode_scale_factor, "skip_softmax_decode_scale_factor")
+    window, softcap = call.sliding_window, call.logit_softcap
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"{where}: sliding_window must be a positive integer (keys a query sees, itself included), got {window!r}")
+    if window is not None and not call.causal and call.prefix_chunk is None:
+        raise ValueError(
+            f"{where}: a sliding window is measured back from each query's position, which non-causal attention over "
+            "given k/v does not have; pass causal=True, attend over the KV cache, or drop sliding_window"
+        )
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{where}: logit_softcap must be a positive finite number, got {softcap!r}")
     if call.use_kv_cache and (not call.causal or call.prefix_chunk is not None):
         raise ValueError(
             f"{where}: attention over the KV cache is always causal over the request's prefix and new tokens; "

@@ -78,6 +78,27 @@ def _rows(node_or_value: object) -> object:
     return val.shape[0] if val is not None else None
 
 
+def _check_one_save_per_layer(graph: torch.fx.Graph) -> None:
+    """Raise if two attention calls of one graph save new k/v for the same layer: the second
+    would overwrite the first in the layer's one KV cache (wrong k/v for every later step)."""
+    saved: dict[object, torch.fx.Node] = {}
+    for node in attention_nodes(graph):
+        save = node_attribute(node, "save_kv_cache")
+        if save is None:
+            save = node_attribute(node, "use_kv_cache")
+        if not save:
+            continue
+        layer = node_attribute(node, "layer_id")
+        first = saved.setdefault(layer, node)
+        if first is not node:
+            raise ValueError(
+                f"attention nodes {first.name} and {node.name} both save new k/v for layer {layer}: the second would "
+                "overwrite the first in the layer's KV cache, so later steps would read the wrong k/v. fullcg keeps one "
+                "cache per layer_id: give each attention call that saves its own fullcg.Attention with its own "
+                "layer_id, or pass save_kv_cache=False to calls that attend over given k/v only"
+            )
+
+
 class AttributesPass:
     """Writes skip-softmax factors onto attention nodes and checks ``key_value_num_tokens``."""
 
@@ -85,6 +106,7 @@ class AttributesPass:
         self.skip_softmax = skip_softmax
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        _check_one_save_per_layer(graph)
         for node in prefix_chunk_nodes(graph):  # attention over prefix chunks: the same factors
             set_node_attribute(node, "skip_softmax_prefill_scale_factor", self.skip_softmax.prefill_scale_factor)
             set_node_attribute(node, "skip_softmax_decode_scale_factor", self.skip_softmax.decode_scale_factor)

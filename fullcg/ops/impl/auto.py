@@ -48,13 +48,15 @@ class AutoAttention(AttentionImpl):
 
     def choose(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> AttentionImpl:
         """The implementation that runs ``call`` (``cache``: the layer's cache, when it has one)."""
-        if call.prefill_scale_factor is None and call.decode_scale_factor is None and call.q.dtype in _HALF:
+        if call.prefill_scale_factor is None and call.decode_scale_factor is None and call.q.dtype in _HALF \
+                and call.sliding_window is None and call.logit_softcap is None:
             # Dense half-precision calls, the common case: decided without probing.
             ctx.memo[self._ran[self.flashinfer]] = self.flashinfer
             return self.flashinfer
         attends_cache = cache if call.use_kv_cache else None
         key = ("auto", call.op, call.use_kv_cache, call.causal, call.prefix_chunk, call.return_lse,
-               call.key_value_num_tokens, call.prefill_scale_factor, call.decode_scale_factor, call.q.dtype,
+               call.key_value_num_tokens, call.prefill_scale_factor, call.decode_scale_factor,
+               call.sliding_window, call.logit_softcap, call.q.dtype,
                call.q.shape, call.k.shape, call.v.shape,
                attends_cache.v_offset_pages if attends_cache is not None else None,
                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -454,6 +454,8 @@ class FlashInferAttention(AttentionImpl):
         q = call.q
         if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or not self.supports(q.shape[2], call.v.shape[2]):
             return False
+        if call.sliding_window is not None or call.logit_softcap is not None:
+            return False
         if cache is not None and cache.k.dtype != q.dtype:
             return False
         shape, kind = self._shape_and_kind(call, cache)
@@ -478,6 +480,9 @@ class FlashInferAttention(AttentionImpl):
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{where}: FlashInfer computes in float16 or bfloat16, got {q.dtype}; "
                             "cast the model or use attention_impl='reference'")
+        if call.sliding_window is not None or call.logit_softcap is not None:
+            raise ValueError(f"{where}: fullcg does not run a sliding window or logit soft-capping on FlashInfer; "
+                             "use attention_impl='triton' or 'auto'")
         if cache is not None and cache.k.dtype != q.dtype:
             raise TypeError(f"{where}: the KV cache holds {cache.k.dtype} but q is {q.dtype}; "
                             "allocate the cache in q's dtype")

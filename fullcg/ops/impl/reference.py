@@ -21,23 +21,48 @@ from fullcg.ops.impl import register_implementation
 from fullcg.ops.impl.base import AttentionImpl
 from fullcg.ops.torch_ops import merge, read_kv
 
-__all__ = ["ReferenceAttention", "attend_dense", "attend_tiled"]
+__all__ = ["ReferenceAttention", "attend_dense", "attend_tiled", "cap_scores", "visibility"]
 
 _NEG_INF = float("-inf")
 
 
-def _causal_mask(num_q: int, num_kv: int, offset: int, device: torch.device) -> torch.Tensor:
-    """``[num_q, num_kv]``: query ``j`` sees keys ``0 .. offset + j``."""
-    return torch.arange(num_kv, device=device)[None, :] <= (offset + torch.arange(num_q, device=device))[:, None]
+def visibility(
+    num_q: int, num_kv: int, causal_offset: int | None, window: int | None, window_offset: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """``bool [num_q, num_kv]``: which keys each query sees (None: all of them).
+
+    Query ``j`` sits at key position ``offset + j``: causal attention sees keys up to it
+    (``causal_offset``); a sliding window of ``W`` sees keys after ``offset + j - W``, with
+    ``window_offset`` the offset (default ``causal_offset``; a prefix chunk, attended
+    without a causal mask, gives its own).
+    """
+    if causal_offset is None and window is None:
+        return None
+    kpos = torch.arange(num_kv, device=device)[None, :]
+    qrow = torch.arange(num_q, device=device)[:, None]
+    vis = kpos <= causal_offset + qrow if causal_offset is not None else torch.ones(
+        (num_q, num_kv), dtype=torch.bool, device=device)
+    if window is not None:
+        offset = causal_offset if window_offset is None else window_offset
+        vis = vis & (kpos > offset + qrow - window)
+    return vis
+
+
+def cap_scores(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logit soft-capping: ``c * tanh(s / c)`` (identity without a cap)."""
+    return s if softcap is None else softcap * torch.tanh(s / softcap)
 
 
 def attend_dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None,
+    window: int | None = None, softcap: float | None = None, window_offset: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one request in float32 (or q's dtype if float64).
 
-    Returns ``out [n, Hq, Dv]`` and natural-log ``lse [n, Hq]``; rows that see no key get
-    zeros and -inf.
+    ``window``, ``softcap`` and ``window_offset`` as in :func:`visibility` and
+    :func:`cap_scores`. Returns ``out [n, Hq, Dv]`` and natural-log ``lse [n, Hq]``; rows
+    that see no key get zeros and -inf.
     """
     n, num_q_heads, _ = q.shape
     length, num_kv_heads, dv = v.shape
@@ -46,9 +71,10 @@ def attend_dense(
         return q.new_zeros((n, num_q_heads, dv), dtype=acc), q.new_full((n, num_q_heads), _NEG_INF, dtype=acc)
     group = num_q_heads // num_kv_heads
     qf = q.to(acc).view(n, num_kv_heads, group, -1)
-    s = torch.einsum("nhgd,lhd->hgnl", qf, k.to(acc)) * scale
-    if causal_offset is not None:
-        s = s.masked_fill(~_causal_mask(n, length, causal_offset, q.device), _NEG_INF)
+    s = cap_scores(torch.einsum("nhgd,lhd->hgnl", qf, k.to(acc)) * scale, softcap)
+    vis = visibility(n, length, causal_offset, window, window_offset, q.device)
+    if vis is not None:
+        s = s.masked_fill(~vis, _NEG_INF)
     m = s.amax(-1)
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m_safe[..., None])
@@ -70,13 +96,19 @@ def attend_tiled(
     tile_kv: int,
     tile_q: int,
     split_tiles: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    window_offset: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Skip-softmax attention of one request, tile by tile (the rule in docs/ops.md).
 
     Rows are blocked as kernels block them: ``tile_q`` query tokens times the query heads
     of one KV head share each decision. With ``split_tiles`` the keys are processed in
     independent runs of that many tiles (split-KV decode), each starting from an empty
-    running max, and merged by LSE at the end.
+    running max, and merged by LSE at the end; with a sliding window the runs start at the
+    first tile the window reaches. ``lambda`` is ``scale_factor`` over the keys a query
+    can see: the request's keys, or the window where it is shorter. ``window``,
+    ``softcap`` and ``window_offset`` as in :func:`attend_dense`.
 
     Returns ``out [n, Hq, Dv]``, ``lse [n, Hq]``, tiles visited and tiles skipped.
     """
@@ -86,7 +118,7 @@ def attend_tiled(
         o, lse = attend_dense(q, k, v, scale, causal_offset)
         return o, lse, 0, 0
     group = num_q_heads // num_kv_heads
-    lam = scale_factor / length
+    lam = scale_factor / (length if window is None else min(length, window))
     skipping = lam < 1.0
     dev = q.device
     num_blocks = -(-n // tile_q)
@@ -104,19 +136,24 @@ def attend_tiled(
 
     num_tiles = -(-length // tile_kv)
     step = split_tiles if split_tiles is not None else num_tiles
+    vis_all = visibility(n, length, causal_offset, window, window_offset, dev)
+    first_tile = 0
+    if window is not None and split_tiles is not None:
+        # The first key any query sees (queries are in position order): runs start at its tile.
+        first_tile = int(vis_all[0].nonzero()[0]) // tile_kv if vis_all[0].any() else 0
     visited = skipped = 0
     partials: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for first in range(0, num_tiles, step):
+    for first in range(first_tile, num_tiles, step):
         m = torch.full((num_kv_heads, num_blocks, rows), _NEG_INF, device=dev)
         l_sum = torch.zeros((num_kv_heads, num_blocks, rows), device=dev)
         acc = torch.zeros((num_kv_heads, num_blocks, rows, dv), device=dev)
         for t in range(first, min(first + step, num_tiles)):
             ks, ke = t * tile_kv, min(length, (t + 1) * tile_kv)
-            s = torch.einsum("hbrd,khd->hbrk", qb, kf[ks:ke]) * scale
+            s = cap_scores(torch.einsum("hbrd,khd->hbrk", qb, kf[ks:ke]) * scale, softcap)
             vis = row_valid[..., None].expand(num_blocks, rows, ke - ks)
-            if causal_offset is not None:
-                kpos = torch.arange(ks, ke, device=dev)
-                vis = vis & (kpos[None, None, :] <= causal_offset + tok[..., None])
+            if vis_all is not None:
+                tok_c = tok.clamp(max=n - 1)  # padding rows are masked by row_valid already
+                vis = vis & vis_all[tok_c][..., ks:ke]
             s = s.masked_fill(~vis[None], _NEG_INF)
             active = vis.flatten(1).any(-1)  # [NB]: a kernel's loop reaches this tile for the block
             tile_max = s.amax(-1)
@@ -169,25 +206,29 @@ class ReferenceAttention(AttentionImpl):
         lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32, device=q.device) if call.return_lse else None
         starts = md.query_starts
         chunk = md.prefix_chunks[call.prefix_chunk] if call.prefix_chunk is not None else None
+        window, softcap = call.sliding_window, call.logit_softcap
         for r, mode in enumerate(md.forward_modes):
             qs, qe = starts[r], starts[r + 1]
             causal_offset: int | None
+            window_offset: int | None = None
             if cache is not None:
                 k_r, v_r = read_kv(cache, md.page_table[r], 0, md.prefix_lens[r] + md.query_lens[r])
                 causal_offset = md.prefix_lens[r]
             elif chunk is not None:
                 k_r, v_r = call.k[chunk.offsets[r] : chunk.offsets[r + 1]], call.v[chunk.offsets[r] : chunk.offsets[r + 1]]
                 causal_offset = None
+                # The chunk's first key is prefix position starts[r]; the first new token is at prefix_lens[r].
+                window_offset = md.prefix_lens[r] - chunk.starts[r]
             else:
                 k_r, v_r = call.k[qs:qe], call.v[qs:qe]
                 causal_offset = 0 if call.causal else None
             factor = call.scale_factor_for(mode)
             if factor is None:
-                o, l_r = attend_dense(q[qs:qe], k_r, v_r, call.scale, causal_offset)
+                o, l_r = attend_dense(q[qs:qe], k_r, v_r, call.scale, causal_offset, window, softcap, window_offset)
             else:
                 o, l_r, visited, skipped = attend_tiled(
                     q[qs:qe], k_r, v_r, call.scale, causal_offset, factor, skip_cfg.tile_kv, skip_cfg.tile_q,
-                    skip_cfg.decode_split_tiles if mode.is_decode else None,
+                    skip_cfg.decode_split_tiles if mode.is_decode else None, window, softcap, window_offset,
                 )
                 ctr = telemetry.counters(call.layer_id, q.device)
                 kind = telemetry.DECODE if mode.is_decode else telemetry.PREFILL

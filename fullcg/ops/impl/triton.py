@@ -43,6 +43,9 @@ def _check_supported(call: AttentionCall, ctx: ForwardContext, cache: KVCache | 
             "(or TRITON_INTERPRET=1 set before triton is imported, to run them slowly on the CPU). "
             "Use attention_impl='reference' on the CPU."
         )
+    if call.sliding_window is not None or call.logit_softcap is not None:
+        raise ValueError(f"{where}: the Triton kernels do not take a sliding window or logit soft-capping; "
+                         "use attention_impl='reference'")
     d, dv = call.q.shape[2], call.v.shape[2]
     if not (_is_pow2_at_least_16(d) and _is_pow2_at_least_16(dv)):
         raise ValueError(f"{where}: head dims must be powers of two >= 16 (e.g. 64, 128), got {d} and {dv}")
