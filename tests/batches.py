@@ -60,6 +60,8 @@ def make_batch(
     spare_pages: int = 5,
     key_bias: float = 0.0,
     sink: float = 0.0,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> Batch:
     """A batch with a random (shuffled) page table whose prefixes are already in the cache.
 
@@ -75,7 +77,8 @@ def make_batch(
     for r, n in enumerate(pages_needed):
         page_table[r, :n] = perm[used : used + n]
         used += n
-    layer = fullcg.Attention(num_heads, head_dim, num_kv_heads, layer_id=layer_id)
+    layer = fullcg.Attention(num_heads, head_dim, num_kv_heads, layer_id=layer_id, sliding_window=sliding_window,
+                             logit_softcap=logit_softcap)
     cache = layer.allocate_kv_cache(num_pages, page_size, dtype=dtype)
     cache.k.normal_(generator=g)  # garbage everywhere a request does not own
     cache.v.normal_(generator=g)
@@ -107,30 +110,45 @@ def make_batch(
 
 
 def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None,
+    *, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 softmax attention of one request, the obvious way: out [n, Hq, Dv], lse [n, Hq]."""
+    """Float64 softmax attention of one request, the obvious way: out [n, Hq, Dv], lse [n, Hq].
+
+    ``window``: query ``j`` (at key position ``causal_offset + j``) sees the ``window`` keys
+    ending at itself; ``softcap``: scores ``c * tanh(s / c)``; ``sinks [Hq]``: an extra
+    softmax column per head, with no value (as transformers' eager gpt-oss attention does it).
+    """
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    n, length = q.shape[0], k.shape[0]
+    kpos, qpos = torch.arange(length)[None, :], torch.arange(n)[:, None] + (causal_offset or 0)
     if causal_offset is not None:
-        n, length = q.shape[0], k.shape[0]
-        mask = torch.arange(length)[None, :] <= causal_offset + torch.arange(n)[:, None]
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s.masked_fill(~(kpos <= qpos), float("-inf"))
+    if window is not None:
+        s = s.masked_fill(~(kpos > qpos - window), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(-1, n, 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        p = p[..., :-1]
     return torch.einsum("hnl,lhd->nhd", p, v), lse.transpose(0, 1)
 
 
-def oracle(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expected out and LSE of cache attention over each request's prefix + new tokens."""
+def oracle(batch: Batch, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected out and LSE of cache attention over each request's prefix + new tokens
+    (``options``: those of :func:`naive_attention`)."""
     outs, lses = [], []
     starts = batch.metadata.query_starts
     for r, pl in enumerate(batch.metadata.prefix_lens):
         o, lse = naive_attention(
-            batch.q[starts[r] : starts[r + 1]], batch.full_k[r], batch.full_v[r], batch.layer.scale, pl
+            batch.q[starts[r] : starts[r + 1]], batch.full_k[r], batch.full_v[r], batch.layer.scale, pl, **options
         )
         outs.append(o)
         lses.append(lse)
