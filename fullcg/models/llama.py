@@ -32,6 +32,20 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     chunked_prefix: bool = False
+    #: Keys a query sees (itself included) in sliding layers; None: every layer attends fully.
+    sliding_window: int | None = None
+    #: With a window, every ``full_attention_every``-th layer (the last of each group) attends
+    #: fully, as Gemma's and gpt-oss's alternate; 0: every layer slides.
+    full_attention_every: int = 0
+    logit_softcap: float | None = None
+    attention_sinks: bool = False
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window of layer ``layer_id`` (None: full attention)."""
+        every = self.full_attention_every
+        if self.sliding_window is None or (every and layer_id % every == every - 1):
+            return None
+        return self.sliding_window
 
     @classmethod
     def tiny(cls, **changes: object) -> LlamaConfig:
@@ -104,7 +118,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.attn = fullcg.Attention(cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, layer_id=layer_id)
+        self.attn = fullcg.Attention(
+            cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, layer_id=layer_id, sliding_window=cfg.layer_window(layer_id),
+            logit_softcap=cfg.logit_softcap, sinks=cfg.attention_sinks,
+        )
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
