@@ -101,3 +101,41 @@ def test_float32_calls_ask_the_first_even_without_factors():
 def test_auto_captures_full_graphs_only_when_both_can_be_captured():
     assert AutoAttention(Recording("a"), Recording("b")).capture_safe
     assert not AutoAttention(Recording("a"), Recording("b", capture_safe=False)).capture_safe
+
+
+class ServesWindows(Recording):
+    """A first implementation that serves every window but ``refused`` (and records the windows it ran)."""
+
+    def __init__(self, refused: int) -> None:
+        super().__init__("flashinfer")
+        self.refused = refused
+        self.windows: list[tuple[int | None, float | None]] = []
+
+    def serves(self, call, ctx, cache) -> bool:
+        self.ran.append("serves")
+        return call.sliding_window != self.refused
+
+    def forward(self, call, ctx, cache):
+        self.windows.append((call.sliding_window, call.logit_softcap))
+        return super().forward(call, ctx, cache)
+
+
+def test_windowed_and_softcapped_calls_are_decided_per_window_and_softcap_within_a_step():
+    """Sliding and full layers alternate in one step: the first is asked once per distinct
+    (window, soft-cap), never for plain dense calls, and what it refuses runs on the second."""
+    first, second = ServesWindows(refused=4), Recording("triton")
+    auto = AutoAttention(first, second)
+    b = make_batch([3, 1], [0, 5], dtype=torch.bfloat16)
+    masks = [(8, None), (None, None), (8, None), (4, None), (None, 2.0), (8, 2.0), (None, 2.0)]
+    with torch.inference_mode(), fullcg.forward_context(b.metadata, b.layer) as ctx:
+        for layer, (window, softcap) in enumerate(masks):
+            call = AttentionCall(
+                "attention", b.q, b.k, b.v, torch.empty_like(b.q), layer, None, None, None, 1.0, True, True, None,
+                True, False, sliding_window=window, logit_softcap=softcap,
+            )
+            auto.forward(call, ctx, b.layer.kv_cache)
+        planned = sorted(impl.name for impl in step_implementations(ctx))
+    assert first.ran.count("serves") == 4  # (8, None), (4, None), (None, 2.0), (8, 2.0)
+    assert first.windows == [m for m in masks if m != (4, None)]
+    assert second.ran == ["forward"]
+    assert planned == ["flashinfer", "triton"]

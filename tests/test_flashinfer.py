@@ -2,21 +2,27 @@
 
 Every GPU test runs the same batch through ``attention_impl="reference"`` and
 ``"flashinfer"`` (bf16, where FlashInfer computes) and checks both against the float64
-oracle. One test runs without FlashInfer or a GPU: choosing the implementation when
-FlashInfer is missing names the install command.
+oracle. A few tests run without FlashInfer or a GPU: choosing the implementation when
+FlashInfer is missing names the install command, and what fullcg asks FlashInfer to plan
+(windows, soft-caps, one plan per distinct layer shape) is recorded by stand-in wrappers.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib.util
 import math
 import sys
+import types
 
 import pytest
 import torch
 
 import fullcg
+import fullcg.ops.impl
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig
+from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import _registry, fmha_v2, resolve_implementation
 
 from batches import Batch, make_batch, naive_attention, oracle
@@ -32,6 +38,103 @@ def test_choosing_flashinfer_without_it_installed_names_the_install_command(monk
 
 def test_auto_picks_the_reference_on_the_cpu():
     assert resolve_implementation("auto", torch.device("cpu")).name == "reference"
+
+
+class _RecordingWrapper:
+    """Stands in for a FlashInfer wrapper on the CPU: records the keyword arguments of each plan."""
+
+    def __init__(self, float_workspace, layout, backend="auto", use_tensor_cores=False, **graph) -> None:
+        self._int_workspace_buffer = torch.zeros(8, dtype=torch.uint8)
+        self.backend = backend
+        self.plans: list[dict] = []
+
+    def reset_workspace_buffer(self, float_workspace, int_workspace) -> None:
+        self._int_workspace_buffer = int_workspace
+
+    def plan(self, *args, **kwargs) -> None:
+        self.plans.append(kwargs)
+
+
+@pytest.fixture
+def over_stand_in_flashinfer(monkeypatch) -> types.ModuleType:
+    """``fullcg.ops.impl.flashinfer`` loaded afresh over a stand-in ``flashinfer`` whose
+    wrappers record their plans (what it registers goes to a throwaway registry)."""
+    stand_in = types.ModuleType("flashinfer")
+    for name in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+                 "BatchPrefillWithRaggedKVCacheWrapper"):
+        setattr(stand_in, name, type(name, (_RecordingWrapper,), {}))
+    monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
+    monkeypatch.setattr(fullcg.ops.impl, "_registry", {})
+    name = "fullcg.ops.impl._flashinfer_over_a_stand_in"
+    spec = importlib.util.spec_from_file_location(name, fullcg.ops.impl.__path__[0] + "/flashinfer.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _call(b: Batch, layer_id: int, window: int | None = None, softcap: float | None = None, *,
+          use_kv_cache: bool = True, prefix_chunk: int | None = None, prefill_factor: float | None = None):
+    """An attention call over ``b`` as the ops make it (over the cache, or over given k/v)."""
+    chunk = prefix_chunk is not None
+    return AttentionCall(
+        "attention_with_lse", b.q, b.k, b.v, torch.empty_like(b.q), layer_id, None, prefill_factor, None,
+        b.layer.scale, use_kv_cache, not chunk, prefix_chunk, use_kv_cache, True,
+        sliding_window=window, logit_softcap=softcap,
+    )
+
+
+@pytest.mark.parametrize(("q_lens", "p_lens", "use_kv_cache", "wrapper"), [
+    ([5, 1], [12, 30], True, "BatchPrefillWithPagedKVCacheWrapper"),
+    ([1, 1], [12, 30], True, "BatchDecodeWithPagedKVCacheWrapper"),
+    ([5, 3], [0, 0], False, "BatchPrefillWithRaggedKVCacheWrapper"),
+])
+def test_plans_carry_the_window_and_softcap_and_layers_differing_in_them_never_share_one(
+    over_stand_in_flashinfer, q_lens, p_lens, use_kv_cache, wrapper
+):
+    """A window of W keys is FlashInfer's window_left = W - 1; layers alike share a plan
+    (planned once per step), layers that differ in window or soft-cap get their own
+    wrapper, plan and plan-info workspace, so alternating layers never run on another's plan."""
+    impl = over_stand_in_flashinfer.FlashInferAttention()
+    b = make_batch(q_lens, p_lens, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    cache = b.layer.kv_cache if use_kv_cache else None
+    masks = [(8, None), (None, None), (8, None), (4, 30.0), (None, 30.0)]
+    with torch.inference_mode(), fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer")) as ctx:
+        plans = []
+        for layer_id, (window, softcap) in enumerate(masks):
+            call = _call(b, layer_id, window, softcap, use_kv_cache=use_kv_cache)
+            shape, kind = impl._shape_and_kind(call, cache)
+            plans.append(impl._planned(call, ctx, shape, kind, cache, None))
+    assert plans[2] is plans[0]
+    distinct = [plans[i] for i in (0, 1, 3, 4)]
+    assert len({id(p.wrapper) for p in distinct}) == 4
+    assert len({id(p.wrapper._int_workspace_buffer) for p in distinct}) == 4
+    for plan, (window, softcap) in zip(distinct, [masks[i] for i in (0, 1, 3, 4)]):
+        assert type(plan.wrapper).__name__ == wrapper and plan.wrapper.backend == "fa2"
+        assert len(plan.wrapper.plans) == 1
+        planned = plan.wrapper.plans[0]
+        assert planned["window_left"] == (-1 if window is None else window - 1)
+        assert planned["logits_soft_cap"] == softcap
+        assert planned["sm_scale"] == b.layer.scale
+
+
+def test_a_window_over_a_prefix_chunk_and_a_factor_with_a_window_or_softcap_are_refused(over_stand_in_flashinfer):
+    impl = over_stand_in_flashinfer.FlashInferAttention()
+    b = make_batch([5, 3], [40, 20], num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                   prefix_chunk_tokens=32)
+    assert impl._mask_refusal(_call(b, 0, 8), "here") is None
+    assert impl._mask_refusal(_call(b, 0, None, 30.0, use_kv_cache=False, prefix_chunk=0), "here") is None
+    refusal = impl._mask_refusal(_call(b, 0, 8, use_kv_cache=False, prefix_chunk=0), "here")
+    assert isinstance(refusal, ValueError) and "prefix chunk" in str(refusal) and "'triton'" in str(refusal)
+    cache = b.layer.kv_cache
+    cfg = config("flashinfer", prefill_scale_factor=8.0)
+    with torch.inference_mode(), fullcg.forward_context(b.metadata, b.layer, config=cfg) as ctx:
+        for window, softcap in ((8, None), (None, 30.0)):
+            factor, refusal = impl._skip_factor(_call(b, 0, window, softcap, prefill_factor=8.0), ctx, cache, False)
+            assert factor is None and "sliding window or logit soft-capping" in str(refusal)
+        # Without a window or soft-cap the factor is refused only for want of a kernel here (no GPU).
+        _, refusal = impl._skip_factor(_call(b, 0, prefill_factor=8.0), ctx, cache, False)
+        assert "sliding window" not in str(refusal)
 
 
 def needs_gpu(fn):
@@ -555,3 +658,208 @@ def test_a_full_graph_at_a_capture_size_counts_the_decode_factor_even_when_captu
                     out = b.layer(b.q, b.k, b.v)
                     torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
     assert fmha_calls == []
+
+
+# ---------------------------------------------------------------- sliding windows and soft-caps
+
+MASKS = {
+    "window": dict(sliding_window=16),
+    "softcap": dict(logit_softcap=2.0),
+    "window_and_softcap": dict(sliding_window=9, logit_softcap=1.5),
+}
+
+
+def naive_options(mask: dict) -> dict:
+    """``mask`` (layer attributes) as the oracle's options."""
+    return {"window": mask.get("sliding_window"), "softcap": mask.get("logit_softcap")}
+
+
+def assert_mask_matters(b: Batch, mask: dict) -> None:
+    """The window or soft-cap changes this batch's result: a kernel that ignored it would fail."""
+    with_mask, _ = oracle(dataclasses.replace(b, q=b.q.cpu()), **naive_options(mask))
+    without, _ = oracle(dataclasses.replace(b, q=b.q.cpu()))
+    assert (with_mask - without).abs().max() > 0.1
+
+
+@needs_gpu
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_windows_and_softcaps_over_the_cache_match_the_reference_and_oracle_on_fa2(name, mask, fmha_calls):
+    """Prefill, extend, decode and mixed batches, with the natural-log LSE; FA2 even where
+    FMHAv2 would run the call unmasked (bf16 prefill and extend on Hopper)."""
+    flashinfer_impl()
+    b = batch(name, **MASKS[mask])
+    assert_mask_matters(b, MASKS[mask])
+    out, lse = assert_matches_reference(b)
+    expected_out, expected_lse = oracle(dataclasses.replace(b, q=b.q.cpu()), **naive_options(MASKS[mask]))
+    torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, **TOL)
+    assert fmha_calls == []
+
+
+@needs_gpu
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_windows_and_softcaps_over_given_kv_match_the_oracle_with_dead_padding_rows(mask):
+    """Causal attention over given k/v: the window counts back from each request's own rows."""
+    flashinfer_impl()
+    b = batch("prefill", **MASKS[mask])
+    pad = 3
+    q, k, v = (torch.cat([x, torch.zeros(pad, *x.shape[1:], device=DEVICE, dtype=DTYPE)]) for x in (b.q, b.k, b.v))
+    out, lse = attend(b, "flashinfer", q=q, k=k, v=v, use_kv_cache=False, save_kv_cache=False)
+    n = b.metadata.num_tokens
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])) and torch.isneginf(lse[n:]).all()
+    starts = b.metadata.query_starts
+    for r in range(b.metadata.num_requests):
+        s, e = starts[r], starts[r + 1]
+        o, l = naive_attention(b.q[s:e].cpu(), b.k[s:e].cpu(), b.v[s:e].cpu(), b.layer.scale, 0,
+                               **naive_options(MASKS[mask]))
+        torch.testing.assert_close(out[s:e].double().cpu(), o, **TOL)
+        torch.testing.assert_close(lse[s:e].double().cpu(), l, **TOL)
+
+
+def _layers(b: Batch, masks: list[dict]) -> torch.nn.ModuleList:
+    """One layer per mask (layer ids 0, 1, ...), each with its own copy of ``b``'s cache."""
+    layers = torch.nn.ModuleList()
+    for i, mask in enumerate(masks):
+        layer = fullcg.Attention(b.layer.num_heads, b.layer.head_dim, b.layer.num_kv_heads, layer_id=i, **mask)
+        layer.kv_cache = copy.deepcopy(b.layer.kv_cache)
+        layers.append(layer)
+    return layers
+
+
+#: Gemma-like: sliding and full layers alternate; two windows, a soft-capped layer.
+STEP_MASKS = [dict(sliding_window=16), {}, dict(sliding_window=16), dict(sliding_window=5, logit_softcap=3.0), {}]
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["extend", "decode", "mixed"])
+def test_layers_with_different_windows_in_one_step_each_attend_with_their_own(name):
+    """Each layer's plan carries its window: the full layer after a sliding one, and the
+    sliding one after the full one, are planned apart and all match the oracle."""
+    flashinfer_impl()
+    b = batch(name)
+    layers = _layers(b, STEP_MASKS)
+    with fullcg.forward_context(b.metadata, layers, config=config("flashinfer")):
+        results = [layer(b.q, b.k, b.v, return_lse=True) for layer in layers]
+    for mask, (out, lse) in zip(STEP_MASKS, results):
+        expected_out, expected_lse = oracle(dataclasses.replace(b, q=b.q.cpu()), **naive_options(mask))
+        torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
+        torch.testing.assert_close(lse.double().cpu(), expected_lse, **TOL)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+def test_captured_layers_with_different_windows_replay_a_different_batch_of_the_same_padded_size(kind):
+    """A sliding (and soft-capped) layer and a full one in one captured graph, replayed for
+    another batch after plan(ctx): each matches the oracle with its own window."""
+    impl = flashinfer_impl()
+    size = 8
+    if kind == "decode":
+        first, second = ([1] * 5, [3, 40, 17, 9, 22]), ([1] * 7, [30, 2, 5, 64, 11, 8, 19])
+    else:
+        first, second = ([3, 2], [10, 30]), ([2, 1, 4], [5, 20, 33])  # the second is mixed
+    masks = [dict(sliding_window=12, logit_softcap=3.0), {}]
+    cfg = FullCGConfig(attention_impl="flashinfer", capture_sizes=(size,))
+    b1 = _batch_with_pages(*first, num_pages=48, seed=3)
+    b2 = _batch_with_pages(*second, num_pages=48, seed=4)
+    layers = _layers(b1, masks)
+    p1, q1, k1, v1 = _padded(b1, size)
+    p2, q2, k2, v2 = _padded(b2, size)
+    static_q, static_k, static_v = q1.clone(), k1.clone(), v1.clone()
+    static_slots = p1.metadata.slot_mapping.clone()
+    static_count = p1.metadata.num_tokens_tensor.clone()
+    md1 = dataclasses.replace(p1.metadata, slot_mapping=static_slots, num_tokens_tensor=static_count)
+
+    with fullcg.forward_context(md1, layers, config=cfg) as ctx:
+        for layer in layers:  # warm-up: the implementation learns both shapes
+            layer(static_q, static_k, static_v, return_lse=True)
+        impl.plan(ctx)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = [layer(static_q, static_k, static_v, return_lse=True) for layer in layers]
+
+    for layer in layers:
+        layer.kv_cache.k.copy_(b2.layer.kv_cache.k)
+        layer.kv_cache.v.copy_(b2.layer.kv_cache.v)
+    for dst, src in ((static_q, q2), (static_k, k2), (static_v, v2)):
+        dst.copy_(src)
+    static_slots.copy_(p2.metadata.slot_mapping)
+    static_count.copy_(p2.metadata.num_tokens_tensor)
+    md2 = dataclasses.replace(p2.metadata, slot_mapping=static_slots, num_tokens_tensor=static_count)
+    with fullcg.forward_context(md2, layers, config=cfg) as ctx:
+        impl.plan(ctx)
+        graph.replay()
+    torch.cuda.synchronize()
+
+    n = md2.num_tokens
+    for mask, (out, lse) in zip(masks, static):
+        expected_out, expected_lse = oracle(dataclasses.replace(b2, q=b2.q.cpu()), **naive_options(mask))
+        torch.testing.assert_close(out[:n].double().cpu(), expected_out, **TOL)
+        torch.testing.assert_close(lse[:n].double().cpu(), expected_lse, **TOL)
+        assert torch.equal(out[n:], torch.zeros_like(out[n:])) and torch.isneginf(lse[n:]).all()
+
+
+@needs_gpu
+def test_a_softcap_over_prefix_chunks_merges_to_attention_over_the_whole_sequence():
+    flashinfer_impl()
+    b = batch("mixed", prefix_chunk_tokens=20, logit_softcap=2.0)
+    assert len(b.metadata.prefix_chunks) > 1
+    with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer")):
+        out, lse = b.layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, save_kv_cache=True)
+        b.layer.merge_prefix_chunks(b.q, out, lse)
+    expected_out, expected_lse = oracle(dataclasses.replace(b, q=b.q.cpu()), softcap=2.0)
+    torch.testing.assert_close(out.double().cpu(), expected_out, **TOL)
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, **TOL)
+
+
+@needs_gpu
+def test_a_window_over_a_prefix_chunk_is_refused_naming_the_alternative():
+    impl = flashinfer_impl()
+    b = batch("mixed", prefix_chunk_tokens=20, sliding_window=16)
+    with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer")) as ctx:
+        ck, cv = b.layer.gather_prefix_chunk(0)
+        with pytest.raises(ValueError, match="prefix chunk.*attention_impl='triton' or 'auto'"):
+            b.layer(b.q, ck, cv, return_lse=True, use_kv_cache=False, causal=False, prefix_chunk=0,
+                    save_kv_cache=False)
+        call = AttentionCall("attention_with_lse", b.q, ck, cv, torch.empty_like(b.q), 0, None, None, None,
+                             b.layer.scale, False, False, 0, False, True, sliding_window=16)
+        assert not impl.serves(call, ctx, None)
+
+
+@needs_gpu
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_serves_says_exactly_which_windowed_and_softcapped_calls_forward_computes(name, mask, monkeypatch):
+    """Over factors, LSE and cache use: a skip-softmax factor the batch uses is refused with
+    a window or soft-cap (FA2 would ignore it); everything else is computed."""
+    impl = flashinfer_impl()
+    real_forward = impl.forward
+    verdicts: list[tuple[bool, bool, dict, dict]] = []  # (served, ran, factors, kwargs)
+
+    def forward(call, ctx, cache):
+        served = impl.serves(call, ctx, cache)
+        try:
+            result = real_forward(call, ctx, cache)
+        except (ValueError, RuntimeError):
+            verdicts.append((served, False, factors, kwargs))
+            raise
+        verdicts.append((served, True, factors, kwargs))
+        return result
+
+    monkeypatch.setattr(impl, "forward", forward)
+    b = batch(name, **MASKS[mask])
+    for factors in ({}, {"prefill_scale_factor": 8.0}, {"decode_scale_factor": 4.0}):
+        for kwargs in ({}, {"return_lse": True}, {"use_kv_cache": False}):
+            with fullcg.forward_context(b.metadata, b.layer, config=config("flashinfer", **factors)):
+                try:
+                    b.layer(b.q, b.k, b.v, **kwargs)
+                except (ValueError, RuntimeError):
+                    pass
+    assert len(verdicts) == 9
+    assert all(served == ran for served, ran, _, _ in verdicts), verdicts
+    md = b.metadata
+    for served, _, factors, kwargs in verdicts:
+        used = (not md.is_decode_only and "prefill_scale_factor" in factors) or (
+            md.has_decode and "decode_scale_factor" in factors)
+        assert served == (not used), (factors, kwargs)

@@ -6,7 +6,8 @@ batches of prefill and extend requests on Hopper (skip-softmax prefill there too
 fullcg's Triton kernels run the calls FlashInfer would refuse rather than compute: below
 SM100, skip-softmax for batches with decode requests (FlashInfer has no skip-softmax
 decode on Hopper) and under CUDA-graph capture; a mixed batch whose prefill and decode
-factors differ; fp32. (Head dims FlashInfer lacks never get here: ``auto`` resolves to
+factors differ; skip-softmax with a sliding window or logit soft-cap; a sliding window over
+a prefix chunk; fp32. (FlashInfer runs other windowed and soft-capped calls itself.) (Head dims FlashInfer lacks never get here: ``auto`` resolves to
 Triton alone for them.)
 
 The choice depends only on the call, the batch, the cache's layout and whether a graph is

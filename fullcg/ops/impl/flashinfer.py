@@ -9,6 +9,17 @@ What each call uses:
 - attention over given k/v (packed per request like q, or a prefix chunk packed as
   ``metadata.prefix_chunks[c]`` says): ``BatchPrefillWithRaggedKVCacheWrapper``.
 
+Sliding windows and logit soft-capping are plan arguments of FlashInfer's FA2 kernels
+(``window_left = W - 1`` for a window of ``W`` keys, and ``logits_soft_cap``; ``_mask_args``
+turns fullcg's attributes into them), so a windowed or soft-capped layer has plans of its
+own: Gemma's sliding and full layers in one step never share one. These calls run on FA2
+(never FMHAv2) for every call kind above, with LSE, and under CUDA-graph capture. Refused
+(``attention_impl="auto"`` runs them on Triton): a sliding window over a prefix chunk
+(FlashInfer measures the window back from the end of each request's keys, one
+``window_left`` per plan, but a chunk ends a different distance before each request's
+queries), and a skip-softmax factor together with a window or soft-cap (the kernels that
+honour a factor are not run with those).
+
 On Hopper (SM90), steps outside CUDA-graph capture run prefill and extend attention in
 bfloat16 through FMHAv2 instead (:mod:`fullcg.ops.impl.fmha_v2` says exactly which calls),
 which also honours a skip-softmax factor there (over the KV cache only, as every factor
@@ -89,6 +100,21 @@ class _Shape:
     v_head_dim: int
     dtype: torch.dtype
     scale: float
+    sliding_window: int | None  # keys a query sees, itself included (None: all)
+    logit_softcap: float | None  # scores c * tanh(s / c) (None: not capped)
+
+
+def _mask_args(shape: _Shape) -> dict[str, object]:
+    """FlashInfer's plan arguments for the shape's sliding window and soft-cap.
+
+    FlashInfer lets query ``i`` of a request with ``qo_len`` queries and ``kv_len`` keys
+    see keys ``j >= i + kv_len - qo_len - window_left``: the query's own position less
+    ``window_left``, so a window of ``W`` keys (itself included) is ``window_left = W - 1``
+    (-1: no window). ``logits_soft_cap`` caps ``sm_scale * q . k`` as fullcg does. Both are
+    fixed at plan time (the compiled module depends on them), so they are part of the shape
+    that keys wrappers and plans."""
+    window = -1 if shape.sliding_window is None else shape.sliding_window - 1
+    return dict(window_left=window, logits_soft_cap=shape.logit_softcap)
 
 
 # Call kinds: ("cache",), ("ragged", causal), ("chunk", index). "cache" plans the decode
@@ -331,7 +357,7 @@ class FlashInferAttention(AttentionImpl):
         skip_factor: float | None,
     ) -> _Plan:
         backend = DENSE_BACKEND if skip_factor is None else SKIP_SOFTMAX_BACKEND
-        common = dict(sm_scale=shape.scale, q_data_type=shape.dtype)
+        common = dict(sm_scale=shape.scale, q_data_type=shape.dtype, **_mask_args(shape))
         if kind[0] == "cache":
             assert cache is not None
             # The decode wrapper takes one head dim for k and v; other shapes use the prefill one.
@@ -418,6 +444,12 @@ class FlashInferAttention(AttentionImpl):
             return None, None
         where = f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='flashinfer'"
         alternative = "use attention_impl='triton' (skip-softmax on any GPU) or 'reference'"
+        if call.sliding_window is not None or call.logit_softcap is not None:
+            return None, ValueError(
+                f"{where}: FlashInfer honours a skip-softmax factor only through kernels that fullcg runs without a "
+                "sliding window or logit soft-capping (FMHAv2 on SM90, trtllm-gen on SM100+; its FA2 kernels ignore "
+                f"the factor); {alternative}, or unset the skip-softmax factors"
+            )
         if cache is None:
             return None, ValueError(
                 f"{where}: skip-softmax is supported for attention over the KV cache only; {alternative}")
@@ -449,12 +481,13 @@ class FlashInferAttention(AttentionImpl):
 
     def serves(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> bool:
         """Whether :meth:`forward` computes ``call`` as asked instead of refusing it: a CUDA
-        call in fp16/bf16 of head dims FlashInfer takes, and a skip-softmax factor only where
-        FlashInfer honours it (``cache``: the layer's cache when the call attends over it)."""
+        call in fp16/bf16 of head dims FlashInfer takes, a sliding window except over a prefix
+        chunk, and a skip-softmax factor only where FlashInfer honours it (never with a window
+        or soft-cap; ``cache``: the layer's cache when the call attends over it)."""
         q = call.q
         if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or not self.supports(q.shape[2], call.v.shape[2]):
             return False
-        if call.sliding_window is not None or call.logit_softcap is not None:
+        if self._mask_refusal(call, "") is not None:
             return False
         if cache is not None and cache.k.dtype != q.dtype:
             return False
@@ -480,9 +513,8 @@ class FlashInferAttention(AttentionImpl):
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{where}: FlashInfer computes in float16 or bfloat16, got {q.dtype}; "
                             "cast the model or use attention_impl='reference'")
-        if call.sliding_window is not None or call.logit_softcap is not None:
-            raise ValueError(f"{where}: fullcg does not run a sliding window or logit soft-capping on FlashInfer; "
-                             "use attention_impl='triton' or 'auto'")
+        if (refusal := self._mask_refusal(call, where)) is not None:
+            raise refusal
         if cache is not None and cache.k.dtype != q.dtype:
             raise TypeError(f"{where}: the KV cache holds {cache.k.dtype} but q is {q.dtype}; "
                             "allocate the cache in q's dtype")
@@ -530,10 +562,24 @@ class FlashInferAttention(AttentionImpl):
         return self._finish(call, md, target, lse)
 
     @staticmethod
+    def _mask_refusal(call: AttentionCall, where: str) -> ValueError | None:
+        """The error for a sliding window FlashInfer cannot place (None: it can): over a
+        prefix chunk, whose keys end a different distance before each request's queries."""
+        if call.sliding_window is None or call.prefix_chunk is None:
+            return None
+        return ValueError(
+            f"{where}: a sliding window over a prefix chunk is measured from each query's position in the whole "
+            "sequence, but FlashInfer measures it back from the end of each request's keys with one window_left per "
+            "plan, and a chunk's keys end a different distance before each request's queries; use "
+            "attention_impl='triton' or 'auto' (which runs these calls on Triton)"
+        )
+
+    @staticmethod
     def _shape_and_kind(call: AttentionCall, cache: KVCache | None) -> tuple[_Shape, _Kind]:
         q = call.q
+        softcap = None if call.logit_softcap is None else float(call.logit_softcap)
         shape = _Shape(q.device, call.num_q_heads, call.num_kv_heads, q.shape[2], call.v.shape[2], q.dtype,
-                       float(call.scale))
+                       float(call.scale), call.sliding_window, softcap)
         if cache is not None:
             return shape, ("cache",)
         if call.prefix_chunk is not None:
@@ -561,6 +607,8 @@ class FlashInferAttention(AttentionImpl):
         """Whether this call runs on FMHAv2 (the calls :mod:`fullcg.ops.impl.fmha_v2` lists)."""
         if not self.use_fmha_v2 or shape.dtype != torch.bfloat16:
             return False
+        if shape.sliding_window is not None or shape.logit_softcap is not None:
+            return False  # FA2 serves these (fmha_v2's docstring says why)
         md = ctx.metadata
         if kind[0] == "cache":
             if md.has_decode:

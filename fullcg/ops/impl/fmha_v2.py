@@ -19,7 +19,11 @@ captured after a warm-up run, which therefore stays on FA2 as the capture does):
   than over pages, and saves softmax statistics only for rows.
 
 Everything else (batches with decode requests, LSE over a cached prefix, prefix chunks, fp16,
-full graphs at capture sizes) stays on the FlashAttention-2 wrappers. Capture is left out
+full graphs at capture sizes, sliding windows and logit soft-capping) stays on the
+FlashAttention-2 wrappers. FMHAv2 takes ``window_left`` (with ``mask_mode="sliding_window"``)
+and ``logits_soft_cap_scale``, but neither is checked here against fullcg's semantics, nor
+are its softmax statistics under a soft-cap (what :func:`stats_to_lse` would read), so
+those calls are not sent to it. Capture is left out
 because FMHAv2 bakes the batch size, the longest query and q's row count into its launch.
 
 Skip-softmax follows fullcg's rule, ``threshold = factor / kv_len`` per request, with two
