@@ -465,13 +465,13 @@ def test_compiled_steps_bind_and_check_the_first_call_of_each_shape_only(monkeyp
             for layer in layers:
                 out = torch.empty_like(b.q)
                 kernel(b.q, b.k, b.v, out, layer.layer_id, None, None, None, layer.scale, True, True, None, True,
-                       layer.kv_cache.uid)
+                       None, None, layer.kv_cache.uid)
                 outs.append(out)
             if step == 1:
                 assert len(binds) == 1, "the second step checks each cache once, then plans once"
                 with pytest.raises(RuntimeError, match="owns KV cache"):
                     kernel(b.q, b.k, b.v, torch.empty_like(b.q), 0, None, None, None, layers[0].scale, True, True,
-                           None, True, layers[1].kv_cache.uid)
+                           None, True, None, None, layers[1].kv_cache.uid)
     ref_out, _, _ = run(batch("decode"), "reference", SkipSoftmaxConfig(**TILES))
     for out in outs:
         torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
@@ -539,7 +539,8 @@ def test_a_call_of_another_dtype_does_not_take_the_plan_of_the_first(monkeypatch
         for dtype in (torch.float32, torch.float16, torch.float16):
             q, k, v = b.q.to(dtype), b.k.to(dtype), b.v.to(dtype)
             out = torch.empty_like(q)
-            kernel(q, k, v, out, 0, None, None, None, b.layer.scale, False, True, None, False, b.layer.kv_cache.uid)
+            kernel(q, k, v, out, 0, None, None, None, b.layer.scale, False, True, None, False, None, None,
+                   b.layer.kv_cache.uid)
             ref_out, _, _ = run(b, "reference", SkipSoftmaxConfig(**TILES), use_kv_cache=False)
             torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
     assert binds.count("breakable_attention") == 2, "each dtype's first call plans; the second fp16 call runs its plan"

@@ -9,11 +9,13 @@ Non-decode requests (prefill, extend) go through the prefill kernel with the pre
 factor; decode requests through the split-KV decode kernel with the decode factor. Both
 read metadata tensors on the device and size their grids from shapes, so ``forward`` is
 safe under CUDA graph capture: no host sync and no allocation whose size depends on data.
+
+Sliding windows and logit soft-capping are compile-time switches of both kernels (the
+window's size is a runtime argument): tiles wholly outside every row's window are never
+visited, so a long context with a short window costs what its window costs.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -21,9 +23,11 @@ import triton
 from fullcg import telemetry
 from fullcg.context import ForwardContext
 from fullcg.kv_cache import KVCache
+from fullcg.metadata import AttentionMetadata
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl import register_implementation
 from fullcg.ops.impl.base import AttentionImpl
+from fullcg.ops.kernels import launch as _launch
 from fullcg.ops.kernels.save_kv import SaveLaunch, plan_save, save_new_kv
 from fullcg.ops.kernels.decode import DecodeLaunch, plan_decode
 from fullcg.ops.kernels.prefill import PrefillLaunch, plan_prefill
@@ -35,17 +39,24 @@ def _is_pow2_at_least_16(x: int) -> bool:
     return x >= 16 and x & (x - 1) == 0
 
 
-def _check_supported(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> None:
-    where = f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='triton'"
-    if not call.q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+def _where(call: AttentionCall) -> str:
+    return f"fullcg.{call.op} (layer {call.layer_id}) with attention_impl='triton'"
+
+
+def _check_device(call: AttentionCall) -> None:
+    """Before anything launches (the k/v save included): kernels off a CUDA device run only
+    under the interpreter, which must have been chosen before triton was imported."""
+    if not call.q.is_cuda and not _launch._INTERPRET:
         raise RuntimeError(
-            f"{where}: tensors are on {call.q.device}; the Triton kernels need a CUDA device "
+            f"{_where(call)}: tensors are on {call.q.device}; the Triton kernels need a CUDA device "
             "(or TRITON_INTERPRET=1 set before triton is imported, to run them slowly on the CPU). "
             "Use attention_impl='reference' on the CPU."
         )
-    if call.sliding_window is not None or call.logit_softcap is not None:
-        raise ValueError(f"{where}: the Triton kernels do not take a sliding window or logit soft-capping; "
-                         "use attention_impl='reference'")
+
+
+def _check_supported(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> None:
+    where = _where(call)
+    _check_device(call)
     d, dv = call.q.shape[2], call.v.shape[2]
     if not (_is_pow2_at_least_16(d) and _is_pow2_at_least_16(dv)):
         raise ValueError(f"{where}: head dims must be powers of two >= 16 (e.g. 64, 128), got {d} and {dv}")
@@ -82,11 +93,27 @@ class _Step:
         self.lse: dict[tuple[int, int], torch.Tensor] = {}
         self.plans: dict[tuple[object, ...], _CallPlan] = {}
         self.checked: set[tuple[object, ...]] = set()
+        self.chunk_positions: dict[int, torch.Tensor] = {}
+
+    def chunk_query_positions(self, md: AttentionMetadata, chunk: int) -> torch.Tensor:
+        """``int32 [R]``: each request's first new token's position among prefix chunk
+        ``chunk``'s keys (its prefix length less the chunk's first position), for windows."""
+        found = self.chunk_positions.get(chunk)
+        if found is None:
+            starts = md.prefix_chunks[chunk].starts
+            if len(set(starts)) == 1:
+                found = self.prefix_lens - starts[0]
+            else:
+                found = self.prefix_lens - torch.tensor(starts, dtype=torch.int32, device=self.device)
+            found = self.chunk_positions[chunk] = found.to(torch.int32)
+        return found
 
 
-def _step(ctx: ForwardContext, device: torch.device) -> _Step:
+def _step(ctx: ForwardContext, call: AttentionCall) -> _Step:
+    device = call.q.device
     step = ctx.memo.get(_Step)
     if step is None or step.device != device:
+        _check_device(call)  # first: the step's metadata copies and the save come next
         step = ctx.memo[_Step] = _Step(ctx, device)
     return step
 
@@ -139,13 +166,13 @@ class TritonAttention(AttentionImpl):
     def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
         """New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe);
         in decode-only batches over the cache, by the decode kernel itself."""
-        if not _saves_in_decode(call, _step(ctx, call.q.device)):
+        if not _saves_in_decode(call, _step(ctx, call)):
             save_new_kv(call, ctx, cache)
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""
         # save_kv left the new k/v to the decode kernel where it can write them itself.
-        fused = call.save_kv_cache and _saves_in_decode(call, _step(ctx, call.q.device))
+        fused = call.save_kv_cache and _saves_in_decode(call, _step(ctx, call))
         plan = self._call_plan(call, ctx, cache, cache if fused else None)
         return plan(call.q, call.k, call.v, call.out, cache, call.layer_id)
 
@@ -158,7 +185,7 @@ class TritonAttention(AttentionImpl):
     def _call_plan(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None,
                    save_to: KVCache | None) -> _CallPlan:
         q = call.q
-        step = _step(ctx, q.device)
+        step = _step(ctx, call)
         support_key = (q.shape[2], call.v.shape[2], q.dtype, cache.k.dtype if cache is not None else None)
         if support_key not in step.checked:
             _check_supported(call, ctx, cache)
@@ -166,7 +193,7 @@ class TritonAttention(AttentionImpl):
         # Everything the launches derive from besides the layer's own tensors.
         key = (q.shape, q.stride(), call.out.stride(), call.k.shape, call.k.stride(), call.v.stride(), q.dtype,
                cache is not None, call.causal, call.prefix_chunk, call.scale, call.prefill_scale_factor,
-               call.decode_scale_factor, call.return_lse, save_to is not None)
+               call.decode_scale_factor, call.return_lse, save_to is not None, call.sliding_window, call.logit_softcap)
         plan = step.plans.get(key)
         if plan is None:
             plan = step.plans[key] = self._plan(call, ctx, step, cache, save_to)
@@ -191,6 +218,8 @@ class TritonAttention(AttentionImpl):
                 lse = step.lse[q.shape[:2]] = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
         lse_like = lse if lse is not None else torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
         qloc = step.query_start_loc
+        window, softcap = call.sliding_window, call.logit_softcap
+        window_offsets = None
         if cache is not None:
             causal = True
             source = dict(page_table=step.page_table, seq_lens=step.seq_lens)
@@ -199,6 +228,8 @@ class TritonAttention(AttentionImpl):
             causal = False
             source = dict(kv_start_loc=md.prefix_chunks[call.prefix_chunk].kv_start_loc.to(dev))
             max_kv_len = md.prefix_chunk_tokens
+            if window is not None:
+                window_offsets = step.chunk_query_positions(md, call.prefix_chunk)
         else:
             causal = call.causal
             source = dict(kv_start_loc=qloc)
@@ -216,7 +247,8 @@ class TritonAttention(AttentionImpl):
                 q, k, v, out, lse_like,
                 query_start_loc=qloc, is_decode=step.is_decode, scale=call.scale, causal=causal,
                 factor=call.prefill_scale_factor, tile_q=cfg.tile_q, tile_kv=cfg.tile_kv,
-                prefix_lens=step.prefix_lens if cache is not None else None, **source,
+                prefix_lens=step.prefix_lens if cache is not None else None, window=window, softcap=softcap,
+                window_offsets=window_offsets, **source,
             )
         decode = plan_decode(
             q, k, v, out, lse_like,
@@ -224,7 +256,8 @@ class TritonAttention(AttentionImpl):
             tile_kv=cfg.tile_kv, split_tiles=cfg.decode_split_tiles, max_kv_len=max_kv_len,
             num_tokens=step.num_tokens, has_decode=step.has_decode, workspace=step.workspace,
             slot_mapping=step.slot_mapping if fused_save else None,
-            new_kv=(call.k, call.v) if fused_save else None, **source,
+            new_kv=(call.k, call.v) if fused_save else None, window=window, softcap=softcap,
+            window_offsets=window_offsets, **source,
         )
         return _CallPlan(save, prefill, decode, lse, cache is not None, dev)
 

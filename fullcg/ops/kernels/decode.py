@@ -22,6 +22,14 @@ over the runs would cost more than the runs save).
 Skip-softmax decode splits into runs of a fixed number of *tiles* (the skip rule's unit),
 so its grid is sized from the capacity and programs past a request's splits exit at once.
 
+With a sliding window of ``W`` keys the query (at key position ``p``) sees keys
+``(p - W, p]``: runs start at the tile holding the window's first key, and a request's
+runs (dense: its window's tiles divided; skip-softmax: runs of a fixed number of tiles)
+cover only the window's tiles, so a 32k context with a 128-key window costs what a
+128-key context costs. The grid is sized from the most tiles a window can span. ``p`` is
+the request's newest key over the cache or given causal k/v, and read from
+``window_offsets`` for a prefix chunk.
+
 The kernel also owns the padding rows of a batch: rows at or past the real token count
 (CUDA-graph stand-in requests) and rows no request owns come out as zeros with LSE -inf,
 so callers need no masking pass. Workspace and grids are sized from shapes and fixed
@@ -37,9 +45,9 @@ import triton
 import triton.language as tl
 
 from fullcg.ops.kernels.launch import Launcher, PlannedLaunch
-from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source
+from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source, softcap_args
 
-__all__ = ["decode_attention", "plan_decode", "DecodeLaunch", "MAX_DENSE_SPLITS"]
+__all__ = ["decode_attention", "plan_decode", "DecodeLaunch", "MAX_DENSE_SPLITS", "window_tiles"]
 
 _LOG2E = 1.4426950408889634
 
@@ -84,6 +92,11 @@ def _dense_tile_kv(q: torch.Tensor, k: torch.Tensor, head_dim: int, head_dim_v: 
     return max(tile_kv, DENSE_TILE_KV)
 
 
+def window_tiles(window: int, tile_kv: int) -> int:
+    """The most tiles of ``tile_kv`` keys that ``window`` consecutive keys can touch."""
+    return (window + tile_kv - 2) // tile_kv + 1
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -126,20 +139,22 @@ def _store_empty_row(Out, Lse, row, head, offs_dv, g_ok, stride_ot, stride_oh, s
 # startup): the counts, the page table's row stride (1 for a one-page table) and the
 # addresses of the metadata vectors (a captured graph's are views into one buffer at
 # offsets that follow its capture size; read a scalar at a time, alignment buys nothing).
-@triton.jit(do_not_specialize=["num_splits", "num_requests", "num_rows", "stride_pt"],
+@triton.jit(do_not_specialize=["num_splits", "num_requests", "num_rows", "stride_pt", "window"],
             do_not_specialize_on_alignment=["Sem", "Slots", "PageTable", "QLoc", "KvLoc", "SeqLens", "IsDecode",
-                                            "NumTokens"])
+                                            "NumTokens", "QPos"])
 def _decode_kernel(
     Q, K, V, Out, Lse, Ctr, KNew, VNew,
-    PartOut, PartLse, Sem, Slots, PageTable, QLoc, KvLoc, SeqLens, IsDecode, NumTokens,
+    PartOut, PartLse, Sem, Slots, PageTable, QLoc, KvLoc, SeqLens, IsDecode, NumTokens, QPos,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_ps, stride_pr,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
-    qk_scale2, factor, num_splits, min_run_scale, num_requests, num_rows, num_kv_heads,
+    qk_scale2, factor, num_splits, min_run_scale, num_requests, num_rows, num_kv_heads, window, cap_in, cap_out,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TILES: tl.constexpr,
     BLOCK_S: tl.constexpr, UNROLL: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SKIP: tl.constexpr, DOT_F32: tl.constexpr, SAVE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
+    # WINDOW: 0 none; 1 the query is the request's newest key; 2 its position is QPos[req].
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     req = tl.program_id(2)
@@ -166,17 +181,27 @@ def _decode_kernel(
         kv_start = tl.load(KvLoc + req)
         kv_len = tl.load(KvLoc + req + 1) - kv_start
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
-    split_tiles = _split_tiles(n_tiles, num_splits, min_run_scale, SPLIT_TILES)
+    # The runs cover tiles [first_tile, n_tiles): all of them, or the window's.
+    first_tile = 0
+    lo = 0
+    if WINDOW != 0:
+        if WINDOW == 1:
+            q_pos = kv_len - 1
+        else:
+            q_pos = tl.load(QPos + req)
+        lo = tl.maximum(q_pos - window + 1, 0)  # the first key the query sees
+        first_tile = tl.where(lo < kv_len, lo // BLOCK_N, n_tiles)
+    split_tiles = _split_tiles(n_tiles - first_tile, num_splits, min_run_scale, SPLIT_TILES)
     # At most the grid's runs (more only with keys past max_kv_len, which metadata refuses):
     # a run counted here but never launched would leave its arrival count short for good.
-    n_splits = tl.minimum(tl.cdiv(n_tiles, split_tiles), tl.num_programs(0))
+    n_splits = tl.minimum(tl.cdiv(n_tiles - first_tile, split_tiles), tl.num_programs(0))
     if (q_row >= tl.load(NumTokens)) | (n_splits == 0):
         # A stand-in request past the real token count, or no keys at all: zeros, LSE -inf.
         if split == 0:
             _store_empty_row(Out, Lse, q_row, head, offs_dv, row_ok, stride_ot, stride_oh, stride_lt,
                              BLOCK_M, HEAD_DV)
         return
-    first = split * split_tiles
+    first = first_tile + split * split_tiles
     if first >= n_tiles:
         return
     last = tl.minimum(first + split_tiles, n_tiles)
@@ -192,16 +217,27 @@ def _decode_kernel(
                 v_new = tl.load(VNew + q_row * stride_vnt + kvh.to(tl.int64) * stride_vnh + offs_dv)
                 tl.store(V + dst + offs_dv, v_new)
             tl.debug_barrier()  # every thread of the program sees the new key before the tiles read it
-    # Tiles before the request's last one are full: no mask needed there.
+    # Tiles before the request's last one are full: no mask needed there; nor past the
+    # window's first key (tiles [first, t_inner) hold keys before it).
     n_full = tl.minimum(last, kv_len // BLOCK_N)
+    t_inner = first
 
-    # The one query token sees every key (it is the newest): the limit is kv_len.
+    # The one query token sees every key (it is the newest; a chunk's keys all precede it):
+    # the limit is kv_len, and with a window the first key seen is lo.
     row_limit = tl.where(row_ok, kv_len, 0)
+    row_lo = row_limit  # read only with WINDOW
+    if WINDOW != 0:
+        row_lo = tl.zeros([BLOCK_M], dtype=tl.int32) + lo
+        t_inner = tl.minimum(tl.maximum(tl.cdiv(lo, BLOCK_N), first), last)
+        n_full = tl.maximum(n_full, t_inner)
     q = tl.load(Q + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     log2_lam = 0.0
     if SKIP:
-        lam = factor / tl.maximum(kv_len, 1).to(tl.float32)
+        keys = kv_len
+        if WINDOW != 0:
+            keys = tl.minimum(kv_len, window)  # lambda is over the keys the query can see
+        lam = factor / tl.maximum(keys, 1).to(tl.float32)
         log2_lam = tl.where(lam < 1.0, tl.log2(lam), float("-inf"))
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -211,20 +247,31 @@ def _decode_kernel(
     page_row = PageTable + req.to(tl.int64) * stride_pt
     K_h = K + kvh.to(tl.int64) * stride_kh
     V_h = V + kvh.to(tl.int64) * stride_vh
-    for t in range(first, n_full):
+    if WINDOW != 0:
+        for t in range(first, t_inner):
+            k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE,
+                                     BLOCK_N)
+            v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE,
+                                     BLOCK_N)
+            m_i, l_i, acc, sk = attend_tile(
+                q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
+                qk_scale2, cap_in, cap_out, log2_lam, t - first, True, SKIP, DOT_F32, True, SOFTCAP,
+            )
+            n_skipped += sk
+    for t in range(t_inner, n_full):
         k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
-            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
-            qk_scale2, log2_lam, t - first, False, SKIP, DOT_F32,
+            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
+            qk_scale2, cap_in, cap_out, log2_lam, t - first, False, SKIP, DOT_F32, WINDOW != 0, SOFTCAP,
         )
         n_skipped += sk
-    for t in range(tl.maximum(n_full, first), last):
+    for t in range(tl.maximum(n_full, t_inner), last):
         k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
-            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, kv_len, offs_d, offs_dv,
-            qk_scale2, log2_lam, t - first, True, SKIP, DOT_F32,
+            q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
+            qk_scale2, cap_in, cap_out, log2_lam, t - first, True, SKIP, DOT_F32, WINDOW != 0, SOFTCAP,
         )
         n_skipped += sk
     if SKIP:
@@ -320,6 +367,9 @@ def plan_decode(
     slot_mapping: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     workspace: dict[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    window_offsets: torch.Tensor | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> DecodeLaunch:
@@ -339,6 +389,9 @@ def plan_decode(
         if num_splits is None:
             min_run_scale = DENSE_MIN_RUN_SCALE
     max_tiles = max(1, triton.cdiv(max_kv_len, tile_kv))
+    if window is not None:
+        # The most tiles a window of `window` keys can span (starting at a tile's last key).
+        max_tiles = min(max_tiles, window_tiles(window, tile_kv))
     if skip or split_tiles is not None:
         # Runs of a fixed number of tiles: the skip rule's "first tile of a run" depends on
         # it. Without a configured split, one run over all keys (the reference's walk).
@@ -381,17 +434,19 @@ def plan_decode(
         seq_lens = query_start_loc  # unused
     k_new, v_new = new_kv if save else (q, q)  # placeholders: never read without SAVE
     block_m = max(16, triton.next_power_of_2(group))
+    # WINDOW 1: the query is its request's newest key; 2: its position is read (a prefix chunk).
+    window_mode = 0 if window is None else 1 if window_offsets is None else 2
     tail = (
         part_out, part_lse, arrivals, slot_mapping if save else query_start_loc, src.page_table, query_start_loc,
-        src.kv_start_loc, seq_lens, is_decode, num_tokens,
+        src.kv_start_loc, seq_lens, is_decode, num_tokens, window_offsets if window_mode == 2 else query_start_loc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), part_lse.stride(1), part_lse.stride(0),
         *src.strides, src.stride_page_table,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale * _LOG2E, float(factor) if skip else 0.0, num_splits, min_run_scale, num_requests, q.shape[0],
-        num_kv_heads,
+        num_kv_heads, int(window) if window is not None else 0, *softcap_args(scale, softcap),
     )
     constexprs = (group, block_m, tile_kv, split_tiles, MERGE_LSE_BLOCK, MERGE_UNROLL, head_dim, head_dim_v, src.paged,
-                  src.page_size, skip, q.dtype == torch.float32, save)
+                  src.page_size, skip, q.dtype == torch.float32, save, window_mode, softcap is not None)
     # Only the leading tensors' dtypes are read: an empty int64 stands in for the counters.
     counters = torch.empty(0, dtype=torch.int64, device=q.device) if skip else lse
     grid = (max_splits, num_kv_heads, num_requests + 1)
@@ -424,6 +479,10 @@ def decode_attention(
     ``has_decode=False`` promises the batch has no decode request (a host fact; never when
     capturing a graph that may be replayed for other batches): only the padding rows are
     written, with no split launch and no workspace.
+
+    ``window`` and ``softcap`` as :func:`fullcg.ops.kernels.prefill.prefill_attention`
+    takes them: the query is its request's newest key (the cache, given causal k/v) or,
+    with ``window_offsets`` (``int32 [R]``, a prefix chunk), at that key position.
 
     ``slot_mapping`` and ``new_kv=(k_new, v_new)`` (paged cache only) first write each
     decode request's new token (row ``query_start_loc[r]`` of ``k_new``/``v_new``) into the

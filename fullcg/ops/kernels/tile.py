@@ -4,6 +4,15 @@ A program owns a block of query rows (``BLOCK_M``, some of them padding) and wal
 tiles of ``BLOCK_N`` keys. Scores are kept in log2 space (``qk_scale2 = scale * log2(e)``)
 so the kernel uses ``exp2``; the skip test ``exp(tile_max - running_max) < lambda`` becomes
 ``tile_max2 - running_max2 < log2(lambda)``, the same rule the reference applies.
+
+Two optional features are compile-time switches, so that a kernel without them is the
+same code as before they existed:
+
+* ``WINDOW``: a sliding window. Masked tiles also hide keys below each row's lower bound
+  ``row_lo`` (the callers start their loops at the window's first tile, so tiles wholly
+  before every row's window are never visited).
+* ``SOFTCAP``: logit soft-capping ``s -> c * tanh(s / c)`` on the natural-log scores
+  ``s = scale * q.k``, applied before the mask, then converted to log2 space.
 """
 
 from __future__ import annotations
@@ -13,6 +22,25 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+def softcap_args(scale: float, softcap: float | None) -> tuple[float, float]:
+    """``(cap_in, cap_out)`` for :func:`attend_tile`: capped log2 scores are
+    ``cap_out * tanh(cap_in * q.k)`` = ``log2(e) * c * tanh(scale * q.k / c)``."""
+    if softcap is None:
+        return 1.0, 1.0
+    return scale / softcap, softcap * _LOG2E
+
+
+@triton.jit
+def tanh(x):
+    """``tanh(x)`` from one ``exp2`` (no libdevice: the same code runs under the CPU
+    interpreter): ``sign(x) * (1 - e) / (1 + e)`` with ``e = exp(-2|x|)``, which never overflows."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
 
 
 @triton.jit
@@ -59,21 +87,28 @@ def attend_tile(
     v_offs,
     pos,
     row_limit,
+    row_lo,
     kv_len,
     offs_d,
     offs_dv,
     qk_scale2,
+    cap_in,
+    cap_out,
     log2_lam,
     run_index,
     MASK: tl.constexpr,
     SKIP: tl.constexpr,
     DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """One tile: scores, the block's skip decision, then (unless skipped) exp, row sums and P·V.
 
     ``row_limit[i]`` is one past the last key row ``i`` may see (0 for padding rows); with
-    ``MASK`` false every key of the tile is visible to every real row. ``run_index`` is the tile's
-    place in its run: 0 for the first tile of a run. Returns the new state and 1 if the tile was skipped.
+    ``WINDOW``, ``row_lo[i]`` is the first key it may see (otherwise unused). With ``MASK``
+    false every key of the tile is visible to every real row. ``cap_in``/``cap_out`` (see
+    :func:`softcap_args`) are read with ``SOFTCAP`` only. ``run_index`` is the tile's place
+    in its run: 0 for the first tile of a run. Returns the new state and 1 if the tile was skipped.
     """
     if MASK:
         k = tl.load(K + k_offs[:, None] + offs_d[None, :], mask=(pos < kv_len)[:, None], other=0.0)
@@ -83,9 +118,17 @@ def attend_tile(
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale2
+    if SOFTCAP:
+        # Capped in natural-log units (s / c = scale * q.k / c), then to log2 units.
+        qk = tanh(qk * cap_in) * cap_out
+    else:
+        qk = qk * qk_scale2
     if MASK:
-        qk = tl.where(pos[None, :] < row_limit[:, None], qk, float("-inf"))
+        if WINDOW:
+            seen = (pos[None, :] < row_limit[:, None]) & (pos[None, :] >= row_lo[:, None])
+            qk = tl.where(seen, qk, float("-inf"))
+        else:
+            qk = tl.where(pos[None, :] < row_limit[:, None], qk, float("-inf"))
     tile_max = tl.max(qk, 1)
     skipped = 0
     if SKIP:
