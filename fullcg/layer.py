@@ -269,8 +269,8 @@ class Attention(nn.Module, CacheOwner):
         out3 = self._as_3d(out, "out", self.num_heads, self.v_head_dim)
         prefill_factor, decode_factor = context.skip_softmax_factors()
         torch.ops.fullcg.merge_prefix_chunks.default(
-            q3, out3, lse, self.layer_id, prefill_factor, decode_factor, self.scale, self.sliding_window,
-            self.logit_softcap, self._kv_cache.uid if self._kv_cache is not None else 0,
+            q3, out3, lse, self.layer_id, prefill_factor, decode_factor, self.scale,
+            self._kv_cache.uid if self._kv_cache is not None else 0, self.sliding_window, self.logit_softcap,
         )
 
     def gather_prefix_chunk(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,10 +61,10 @@ class TestGoldenSplit(expecttest.TestCase):
         self.assertExpectedInline(_describe(_dynamo_graph(chunked_prefix=False)), """\
 submod_0 [compiled]
 submod_1 [breakable]
-  fullcg.breakable_attention.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, kv_cache_id=#)
+  fullcg.breakable_attention.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#)
 submod_2 [compiled]
 submod_3 [breakable]
-  fullcg.breakable_attention.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, kv_cache_id=#)
+  fullcg.breakable_attention.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#)
 submod_4 [compiled]""")
 
     def test_chunked_prefix_model_splits_at_the_suffix_attention_and_at_the_prefix_chunk_merge(self):
@@ -72,12 +72,12 @@ submod_4 [compiled]""")
         self.assertExpectedInline(_describe(_dynamo_graph(chunked_prefix=True)), """\
 submod_0 [compiled]
 submod_1 [breakable]
-  fullcg.breakable_attention_with_lse.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, kv_cache_id=#)
+  fullcg.breakable_attention_with_lse.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#)
 submod_3 [breakable]
-  fullcg.merge_prefix_chunks.default(layer_id=0, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#)
+  fullcg.merge_prefix_chunks.default(layer_id=0, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#, sliding_window=None, logit_softcap=None)
 submod_4 [compiled]
 submod_5 [breakable]
-  fullcg.breakable_attention_with_lse.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, kv_cache_id=#)
+  fullcg.breakable_attention_with_lse.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#)
 submod_7 [breakable]
-  fullcg.merge_prefix_chunks.default(layer_id=1, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#)
+  fullcg.merge_prefix_chunks.default(layer_id=1, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#, sliding_window=None, logit_softcap=None)
 submod_8 [compiled]""")

@@ -333,9 +333,9 @@ def _merge_prefix_chunks(
     skip_softmax_prefill_scale_factor: Optional[float] = None,
     skip_softmax_decode_scale_factor: Optional[float] = None,
     scale: Optional[float] = None,
+    kv_cache_id: int = 0,
     sliding_window: Optional[int] = None,
     logit_softcap: Optional[float] = None,
-    kv_cache_id: int = 0,
 ) -> None:
     """Attend ``q`` over every chunk of the step's cached prefix and merge each into
     ``out``/``lse`` in place.
@@ -392,15 +392,15 @@ def _merge_prefix_chunks_fake(q, out, lse, layer_id, *attrs) -> None:
 
 #: The attributes of ``merge_prefix_chunks`` after ``q, out, lse`` (the attention ops' names).
 MERGE_PREFIX_ATTRIBUTES = (
-    "layer_id", "skip_softmax_prefill_scale_factor", "skip_softmax_decode_scale_factor", "scale", "sliding_window",
-    "logit_softcap", "kv_cache_id",
+    "layer_id", "skip_softmax_prefill_scale_factor", "skip_softmax_decode_scale_factor", "scale", "kv_cache_id",
+    "sliding_window", "logit_softcap",
 )
 
 merge_prefix_chunks = _register(
     "merge_prefix_chunks",
     "(Tensor q, Tensor(a!) out, Tensor(b!) lse, int layer_id, float? skip_softmax_prefill_scale_factor=None, "
-    "float? skip_softmax_decode_scale_factor=None, float? scale=None, int? sliding_window=None, "
-    "float? logit_softcap=None, int kv_cache_id=0) -> ()",
+    "float? skip_softmax_decode_scale_factor=None, float? scale=None, int kv_cache_id=0, int? sliding_window=None, "
+    "float? logit_softcap=None) -> ()",
     _merge_prefix_chunks,
     _merge_prefix_chunks_fake,
     _BREAKABLE_TAGS,
