@@ -28,6 +28,7 @@ import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 from fullcg import compile_cache
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
+from fullcg.context import check_call_positions, positions_argument
 from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
@@ -547,6 +548,7 @@ class CompiledModel:
         # Steps after Dynamo's first call of a graph skip Dynamo (fullcg.dispatch);
         # debug_checks keeps every step on Dynamo's guards.
         self._direct = None if backend.config.debug_checks else DirectDispatch(model, backend.runners)
+        self._positions = positions_argument(model) if backend.config.debug_checks else None
         options = {"guard_filter_fn": self._direct.note_guards} if self._direct is not None else None
         self._compiled = torch.compile(model, backend=backend, options=options)
 
@@ -570,6 +572,8 @@ class CompiledModel:
             if isinstance(value, torch.Tensor) and value.dim() >= 1:
                 torch._dynamo.mark_dynamic(value, 0)
         if direct is None or kwargs:
+            if self.backend.config.debug_checks:
+                check_call_positions(self._positions, args, kwargs)
             return self._compiled(*args, **kwargs)
         with observed_runner_calls() as calls:
             result = self._compiled(*args)

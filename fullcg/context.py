@@ -18,6 +18,7 @@ also carries the step's dispatch key: the graph variant and the capture size it 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import dataclasses
 import logging
 import threading
@@ -204,7 +205,10 @@ def forward_context(
     Args:
         metadata: the batch, from :meth:`AttentionMetadata.build`.
         kv_caches: the model whose :class:`fullcg.Attention` layers hold KV caches, or a
-            mapping ``layer_id -> KVCache``. Needed by attention that uses the cache.
+            mapping ``layer_id -> KVCache``. Needed by attention that uses the cache. The
+            mapping is for op calls and layers that own no cache (``kv_cache`` None); a
+            layer that owns one runs on it alone, so pass its model (captured graphs hold
+            the owned caches' addresses; a mapping could not switch them).
         config: attention implementation and skip-softmax settings for this step;
             defaults to :meth:`FullCGConfig.from_env`.
         breakable: run attention as breakable ops (split points of a piecewise graph).
@@ -313,6 +317,46 @@ def current_context() -> ForwardContext | None:
     """The innermost active forward context, or None (the ops' fast path)."""
     stack = _state.stack
     return stack[-1] if stack else None
+
+
+_POSITION_NAMES = ("positions", "position_ids")
+
+
+def positions_argument(model: torch.nn.Module) -> int | None:
+    """The index of ``model.forward``'s positions argument (named ``positions`` or
+    ``position_ids``), or None: what :func:`check_call_positions` checks."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.name in _POSITION_NAMES and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return i
+    return None
+
+
+def check_positions(positions: torch.Tensor) -> None:
+    """In an eager step, raise unless ``positions`` are the step's (``metadata.positions``):
+    a token given another position would have its k/v rotated for one position and cached
+    at another. Compiled steps check at the call under ``debug_checks``
+    (:func:`check_call_positions`); a model calls this from its forward."""
+    if torch.compiler.is_compiling():  # first, so tracing never reads the context stack
+        return
+    ctx = current_context()
+    if ctx is not None and not ctx.compiled:
+        ctx.metadata.check_positions(positions)
+
+
+def check_call_positions(index: int | None, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """:func:`check_positions` for a compiled model's call (under ``debug_checks``): the
+    argument at ``index`` (:func:`positions_argument`) or named as positions."""
+    ctx = current_context()
+    if ctx is None:
+        return
+    value = args[index] if index is not None and index < len(args) else next(
+        (kwargs[n] for n in _POSITION_NAMES if n in kwargs), None)
+    if isinstance(value, torch.Tensor):
+        ctx.metadata.check_positions(value.reshape(-1))
 
 
 def current_padded_size() -> int | None:

@@ -39,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fullcg import cudagraph
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import (
-    ForwardContext, current_padded_size, derived_context, get_forward_context, num_prefix_chunks, prefix_chunk_tokens,
+    ForwardContext, check_call_positions, current_padded_size, derived_context, get_forward_context, num_prefix_chunks,
+    positions_argument, prefix_chunk_tokens,
 )
 from fullcg.errors import InvalidConfigError
 from fullcg.ops.attention import EAGER_KERNELS
@@ -527,6 +528,7 @@ class EagerCaptureModel:
         self.config = config
         self._graphs = graphs
         self._runners: dict[Hashable, StepRunner] = {}
+        self._positions = positions_argument(model) if config.debug_checks else None
 
     @property
     def runners(self) -> list[StepRunner]:
@@ -534,6 +536,8 @@ class EagerCaptureModel:
         return list(self._runners.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.debug_checks:
+            check_call_positions(self._positions, args, kwargs)
         names = tuple(kwargs)
         if names:
             args = (*args, *kwargs.values())

@@ -617,6 +617,23 @@ class AttentionMetadata:
         return -(-max(q + p for q, p in zip(self.query_lens, self.prefix_lens)) // self.page_size)
 
     @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """``int64 [num_tokens]`` on the batch's device: each new token's position, its
+        request's prefix length plus its index among the request's new tokens (what a
+        model's rotary embedding must be given)."""
+        q = np.asarray(self.query_lens, dtype=np.int64)
+        starts = np.zeros(q.size + 1, dtype=np.int64)
+        np.cumsum(q, out=starts[1:])
+        pos = np.arange(int(starts[-1])) + np.repeat(np.asarray(self.prefix_lens, dtype=np.int64) - starts[:-1], q)
+        return torch.from_numpy(pos).to(self.slot_mapping.device)
+
+    def check_positions(self, positions: Sequence[int] | torch.Tensor) -> None:
+        """Raise :class:`~fullcg.errors.InvalidBatchError` unless the first ``num_tokens``
+        entries of ``positions`` are :attr:`positions` (padding rows past them are not read).
+        Reads ``positions`` on the host: a debugging check, not for every step."""
+        _check_positions(positions, self.positions.cpu().numpy(), np.asarray(self.query_lens))
+
+    @functools.cached_property
     def query_starts(self) -> tuple[int, ...]:
         out = [0]
         for n in self.query_lens:

@@ -260,3 +260,48 @@ def test_a_compiled_graph_saving_kv_twice_for_one_layer_is_refused_at_compile_ti
     with torch.inference_mode(), fullcg.forward_context(md, model):
         with pytest.raises(Exception, match="both save new k/v for layer 0"):
             compiled(torch.randn(3, 16), torch.arange(3))
+
+
+# --- positions --------------------------------------------------------------------------------
+
+
+def test_the_metadata_knows_every_new_tokens_position():
+    md = fullcg.AttentionMetadata.build([3, 1, 2], [0, 7, 4], torch.arange(12, dtype=torch.int32).view(3, 4), 4)
+    assert md.positions.tolist() == [0, 1, 2, 7, 4, 5]
+    md.check_positions(torch.tensor([0, 1, 2, 7, 4, 5, 0, 0]))  # padding rows past the tokens are not read
+
+
+def _decode_step_at(position: int):
+    model = LlamaModel(LlamaConfig.tiny())
+    model.allocate_kv_cache(16, 4)
+    md = fullcg.AttentionMetadata.build([1], [5], torch.arange(4, dtype=torch.int32)[None], 4)
+    return model, md, torch.tensor([3]), torch.tensor([position])
+
+
+def test_an_eager_decode_at_the_wrong_position_is_refused():
+    model, md, ids, pos = _decode_step_at(8)
+    with torch.inference_mode(), fullcg.forward_context(md, model):
+        with pytest.raises(fullcg.errors.InvalidBatchError, match="at position 8 but the metadata puts it at 5"):
+            model(ids, pos)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "none"])
+def test_a_compiled_step_checks_positions_under_debug_checks(compiler):
+    torch._dynamo.reset()
+    model, md, ids, pos = _decode_step_at(8)
+    checked = fullcg.compile(model, fullcg.FullCGConfig(compiler=compiler, debug_checks=True))
+    with torch.inference_mode(), fullcg.forward_context(md, model):
+        with pytest.raises(fullcg.errors.InvalidBatchError, match="at position 8 but the metadata puts it at 5"):
+            checked(ids, pos)
+        checked(ids, torch.tensor([5]))
+
+
+def test_the_mapping_form_of_the_context_serves_a_layers_own_cache_and_refuses_another():
+    b = make_batch([3], [0])
+    own = b.layer.kv_cache
+    other = fullcg.KVCache.allocate(own.k.shape[0], own.page_size, own.num_kv_heads, own.head_dim)
+    with fullcg.forward_context(b.metadata, {0: own}):
+        b.layer(b.q, b.k, b.v)
+    with fullcg.forward_context(b.metadata, {0: other}):
+        with pytest.raises(RuntimeError, match="the mapping form is for layers and op calls that own no cache"):
+            b.layer(b.q, b.k, b.v)

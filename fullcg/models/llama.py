@@ -222,6 +222,7 @@ class LlamaModel(nn.Module):
             attn.allocate_kv_cache(num_pages, page_size, dtype=ref.dtype, device=ref.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        fullcg.context.check_positions(positions)  # eager steps; compiled ones under debug_checks
         hidden = self.embed_tokens(input_ids)
         rotary = rotary_angles(positions, self.inv_freq)
         for layer in self.layers:

@@ -230,6 +230,14 @@ def _check_cache(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None
             f"{where}: no KV cache for this layer in the forward context; allocate one "
             "(Attention.allocate_kv_cache) and pass the model as forward_context(metadata, model)"
         )
+    if call.kv_cache_id and cache.uid != call.kv_cache_id and ctx.source == "a mapping of KV caches":
+        raise RuntimeError(
+            f"{where}: the running layer owns KV cache #{call.kv_cache_id}, but the forward context was entered with "
+            f"a mapping of KV caches, whose layer {call.layer_id} entry is cache #{cache.uid}. A layer that owns a "
+            "cache runs on it alone (captured graphs hold its addresses): pass the model, "
+            "`with fullcg.forward_context(metadata, model):`; the mapping form is for layers and op calls that own "
+            "no cache"
+        )
     if call.kv_cache_id and cache.uid != call.kv_cache_id:
         raise RuntimeError(
             f"{where}: the running layer owns KV cache #{call.kv_cache_id}, but the forward context was entered "
