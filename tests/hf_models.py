@@ -19,7 +19,7 @@ _COMMON = dict(
 #: Architecture name -> (model class, config). Each covers what sets it apart.
 ARCHITECTURES = {
     "llama": lambda: (transformers.LlamaForCausalLM, transformers.LlamaConfig(**_COMMON)),
-    # Mistral's default window (4096) would be refused; tests of the refusal build it with one.
+    # Without a sliding window: test_hf_architectures.py covers windows.
     "mistral": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(**_COMMON, sliding_window=None)),
     "qwen2": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**_COMMON)),  # q/k/v biases
     "qwen3": lambda: (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**_COMMON, head_dim=16)),  # QK-norm

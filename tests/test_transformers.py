@@ -162,47 +162,13 @@ def test_padded_batches_are_refused_with_the_fix():
         model(torch.tensor([[1, 2], [3, 4]]), use_cache=False)
 
 
-# --- refusals: what fullcg cannot run is refused at prepare, naming the feature and the layer ---
-
-
-def test_sliding_window_is_refused_naming_the_feature_and_layer():
-    cls, config = ARCHITECTURES["mistral"]()
-    config.sliding_window = 4096
-    with pytest.raises(fhf.UnsupportedModelError, match=r"sliding-window attention \(window 4096\).*layer 0"):
-        fhf.prepare(cls(config), num_pages=8, page_size=4)
-
-
-def test_a_sliding_window_on_some_layers_names_the_first_such_layer():
-    # Qwen2: layers from max_window_layers on use the window; layer 0 stays full attention.
-    config = transformers.Qwen2Config(**{**ARCHITECTURES["qwen2"]()[1].to_dict(), "use_sliding_window": True,
-                                         "sliding_window": 8, "max_window_layers": 1, "layer_types": None})
-    with pytest.raises(fhf.UnsupportedModelError, match=r"sliding-window.*layer 1 \(model\.layers\.1\.self_attn\)"):
-        fhf.prepare(transformers.Qwen2ForCausalLM(config), num_pages=8, page_size=4)
-
-
-def test_attention_logit_soft_capping_is_refused_naming_the_feature_and_layer():
-    config = transformers.Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0, layer_types=["full_attention"] * 2,
-    )
-    with pytest.raises(fhf.UnsupportedModelError, match=r"soft-capping \(attn_logit_softcapping=50.0\).*layer 0"):
-        fhf.prepare(transformers.Gemma2ForCausalLM(config), num_pages=8, page_size=4)
+# --- refusals: what fullcg cannot run is refused at prepare (test_hf_architectures.py has each feature) ---
 
 
 def test_encoder_decoder_models_are_refused():
     config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
     with pytest.raises(fhf.UnsupportedModelError, match="encoder-decoder"):
         fhf.prepare(transformers.T5ForConditionalGeneration(config), num_pages=8, page_size=4)
-
-
-def test_a_refused_model_is_left_unchanged():
-    cls, config = ARCHITECTURES["mistral"]()
-    config.sliding_window = 16
-    model = cls(config)
-    with pytest.raises(fhf.UnsupportedModelError):
-        fhf.prepare(model, num_pages=8, page_size=4)
-    assert model.config._attn_implementation != "fullcg"
-    assert not fhf.attention_layers(model)
 
 
 # --- fullcg.generate on HF models equals HF's own generate ---

@@ -27,6 +27,8 @@ padding does not look; :class:`PackedCausalLM` puts it first, so steps are captu
 from __future__ import annotations
 
 import logging
+import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +38,8 @@ from torch import nn
 import fullcg
 
 try:
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers import masking_utils
     from transformers.masking_utils import AttentionMaskInterface
 except ImportError as err:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
@@ -97,10 +100,12 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The attention function transformers calls for ``attn_implementation="fullcg"``.
 
-    ``query [1, H, T, D]``, ``key``/``value [1, Hkv, T, D]`` (a packed batch of this step's
-    new tokens) go through the module's :class:`fullcg.Attention`, which saves k/v to the
-    paged cache and attends over each request's cached prefix and new tokens. Returns
-    ``(out [1, T, H, D], None)``.
+    ``query [1, H, T, D]``, ``key [1, Hkv, T, D]``, ``value [1, Hkv, T, Dv]`` (a packed
+    batch of this step's new tokens) go through the module's :class:`fullcg.Attention`,
+    which saves k/v to the paged cache and attends over each request's cached prefix and
+    new tokens. The softmax scale is the call's ``scaling``; gpt-oss's sink logits
+    (``s_aux``) are passed on; a ``sliding_window`` or ``softcap`` in the call must be
+    the one :func:`prepare` gave the layer. Returns ``(out [1, T, H, Dv], None)``.
     """
     attn = getattr(module, _CHILD, None)
     where = f"fullcg attention (layer {getattr(module, 'layer_idx', '?')})"
@@ -125,16 +130,25 @@ def attention_forward(
             f"{where}: got an attention mask, which fullcg would ignore; request boundaries come from the "
             "forward context's metadata. Pass no attention_mask (and register() the 'fullcg' mask function)"
         )
-    for name in ("sliding_window", "softcap", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise UnsupportedModelError(f"{where}: transformers asked for {name}={kwargs[name]!r}, which fullcg cannot run")
     if dropout and module.training:
         raise ValueError(f"{where}: attention dropout in training mode is not supported; call model.eval()")
-    if scaling is not None and abs(scaling - attn.scale) > 1e-12 * attn.scale:
+    if kwargs.get("is_causal") is False:
+        raise UnsupportedModelError(f"{where}: transformers asked for non-causal attention, which fullcg cannot run")
+    shapes = (query.shape[1], query.shape[3], key.shape[1], value.shape[1], value.shape[3])
+    if shapes != (attn.num_heads, attn.head_dim, attn.num_kv_heads, attn.num_kv_heads, attn.v_head_dim):
         raise ValueError(
-            f"{where}: transformers passed scaling={scaling}, but prepare() built the layer with {attn.scale}; "
-            "call prepare(model, ...) again after changing the model"
+            f"{where}: transformers passed query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)}, but prepare() built the layer for {attn.num_heads} query heads and "
+            f"{attn.num_kv_heads} kv heads of {attn.head_dim} (values {attn.v_head_dim}); call prepare(model, ...) "
+            "again after changing the model"
         )
+    # A window or soft-cap in the call (what flash-attention would apply) must be what prepare()
+    # gave the layer from the config (what HF's masks and eager attention apply).
+    _check_same(where, "sliding_window", kwargs, attn.sliding_window, "window")
+    _check_same(where, "softcap", kwargs, attn.logit_softcap, "logit soft-cap")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     # [1, H, T, D] -> [T, H, D]; contiguous because kernels index tokens by row. Made
     # contiguous before the batch dimension is dropped: torch 2.11's Inductor works out the
     # strides of a view of a non-contiguous tensor from the token count's hint, guarding
@@ -142,8 +156,69 @@ def attention_forward(
     q = query.transpose(1, 2).contiguous()[0]
     k = key.transpose(1, 2).contiguous()[0]
     v = value.transpose(1, 2).contiguous()[0]
-    out = attn(q, k, v)
+    out = attn(q, k, v, sinks=sinks, scale=None if scaling is None else float(scaling))
     return out.unsqueeze(0), None
+
+
+def _check_same(where: str, name: str, kwargs: dict[str, Any], built: float | None, what: str) -> None:
+    if name not in kwargs:
+        return
+    given = kwargs[name]
+    same = given is None if built is None else given is not None and abs(float(given) - built) <= 1e-6 * built
+    if not same:
+        raise UnsupportedModelError(
+            f"{where}: transformers applies {name}={given!r}, but prepare() built the layer with {what} {built!r} "
+            "from the config; fullcg read this model's config wrongly, so it cannot run it (please report it)"
+        )
+
+
+# --- what prepare() refuses ---------------------------------------------------------------
+
+# Token mixers other than attention keep a state across steps (an SSM state, the last few
+# inputs of a convolution, a linear-attention or recurrent state), which fullcg's KV cache
+# does not hold: under fullcg they would see only the step's own tokens. Matched by class
+# name (transformers' own classes, e.g. GraniteMoeHybridMambaLayer, Lfm2ShortConv,
+# Qwen3NextGatedDeltaNet, MiniMaxLightningAttention), first match wins.
+_STATEFUL_MIXERS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"DeltaNet|DeltaAttention|GatedDelta"), "a gated DeltaNet (linear-attention) mixer"),
+    (re.compile(r"Mamba|Bamba|Mixer$|SSM|StateSpace"), "a Mamba (state-space) mixer"),
+    (re.compile(r"ShortConv"), "a short-convolution mixer"),
+    (re.compile(r"LinearAttention|LightningAttention|LinearAttn"), "a linear-attention mixer"),
+    (re.compile(r"RecurrentBlock|Rglru|RGLRU|Rwkv|xLSTM|[ms]LSTM|Retention"), "a recurrent mixer"),
+)
+
+# config.layer_types entries (and the like) fullcg runs; anything else is a mixer it does not.
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+_LAYER_TYPE_FEATURES = {
+    "linear_attention": "linear attention",
+    "mamba": "Mamba (state-space) layers",
+    "conv": "short-convolution layers",
+    "chunked_attention": "chunked attention (attention within fixed blocks of tokens)",
+    "recurrent": "recurrent layers",
+}
+# Config fields of looped (recurrent-depth) models: how often a stack of layers runs per step.
+_LOOP_FIELDS = ("n_recurrent_loops", "loop_num_passes", "num_loops", "H_cycles", "L_cycles")
+
+# transformers' mask functions that apply a sliding window (causal).
+_SLIDING_MASK_FUNCTIONS = ("create_sliding_window_causal_mask", "sliding_window_causal_mask_function",
+                           "sliding_window_overlay")
+
+_STATE_FIX = ("fullcg holds only attention's keys and values, not the state this mixer keeps between steps; "
+              "run this model with transformers' own cache")
+
+
+def _layer_of(name: str) -> int | str:
+    """The decoder layer a module sits in, from its qualified name (``model.layers.3.mamba`` -> 3)."""
+    match = re.search(r"\.(\d+)(\.|$)", "." + name)
+    return int(match.group(1)) if match else "?"
+
+
+def _refuse(feature: str, name: str, module: nn.Module | None, fix: str, layer: int | str | None = None) -> UnsupportedModelError:
+    if layer is None:
+        layer = getattr(module, "layer_idx", None)
+        layer = layer if isinstance(layer, int) else _layer_of(name)
+    where = f"layer {layer} ({name})" if name else f"layer {layer}"
+    return UnsupportedModelError(f"fullcg cannot run {feature} yet, which {where} uses; {fix}")
 
 
 def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -155,69 +230,239 @@ def _attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def _refuse(feature: str, name: str, module: nn.Module, fix: str) -> UnsupportedModelError:
-    layer = getattr(module, "layer_idx", "?")
-    return UnsupportedModelError(
-        f"fullcg cannot run {feature} yet, which layer {layer} ({name}) uses; {fix}"
+def _is_depthwise_causal_conv(module: nn.Module) -> bool:
+    # A convolution over the token axis, channel by channel (Mamba's and short-conv mixers'
+    # conv1d): it reads the previous kernel_size - 1 tokens. GPT-2's ``Conv1D`` is a linear
+    # layer, not an nn.Conv1d, so it does not count.
+    return (isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1
+            and module.groups == module.in_channels and module.groups > 1)
+
+
+def _check_mixers(model: nn.Module, config: Any, attention: list[tuple[str, nn.Module]]) -> None:
+    attention_ids = {id(m) for _, m in attention}
+    for name, module in model.named_modules():
+        if id(module) in attention_ids or isinstance(module, (fullcg.Attention, PreTrainedModel)):
+            continue
+        cls = type(module).__name__
+        for pattern, feature in _STATEFUL_MIXERS:
+            if pattern.search(cls):
+                raise _refuse(f"{feature} ({cls})", name, None, _STATE_FIX, layer=_layer_of(name))
+    # Structure, for mixers under other names, inside the decoder layers (where the attention
+    # modules are; vision and audio towers of multimodal models run once, without state).
+    decoder = {name.rsplit(f".{m.layer_idx}.", 1)[0] for name, m in attention if f".{m.layer_idx}." in name}
+    for name, module in model.named_modules():
+        if not any(name.startswith(prefix + ".") for prefix in decoder):
+            continue
+        if _is_depthwise_causal_conv(module):
+            raise _refuse(f"a causal convolution over past tokens ({type(module).__name__} in a token mixer)", name,
+                          None, _STATE_FIX, layer=_layer_of(name))
+        if isinstance(getattr(module, "A_log", None), torch.Tensor):
+            raise _refuse(f"a state-space or linear-attention mixer ({type(module).__name__}, with a decay A_log)",
+                          name, None, _STATE_FIX, layer=_layer_of(name))
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        types = _field(config, key, None)
+        if not isinstance(types, (list, tuple)):
+            continue
+        for i, layer_type in enumerate(types):
+            if layer_type in _ATTENTION_LAYER_TYPES or (key != "layer_types" and layer_type == "attention"):
+                continue
+            feature = _LAYER_TYPE_FEATURES.get(layer_type, f"{layer_type!r} layers")
+            raise _refuse(f"{feature} (config.{key}[{i}] = {layer_type!r})", "", None,
+                          "fullcg runs models whose every layer is full or sliding-window attention", layer=i)
+    pattern = _field(config, "hybrid_override_pattern", None)
+    if isinstance(pattern, str) and "M" in pattern:
+        raise _refuse(f"Mamba (state-space) layers (config.hybrid_override_pattern = {pattern!r})", "", None,
+                      _STATE_FIX, layer=pattern.index("M"))
+
+
+def _field(config: Any, name: str, default: Any = None) -> Any:
+    """``getattr(config, name, default)``, also when the config refuses to answer: a
+    heterogeneous config raises for a global read of a field that varies per layer."""
+    try:
+        return getattr(config, name, default)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError, a RuntimeError
+        return default
+
+
+def _sub_config(module: nn.Module, config: Any) -> Any:
+    sub = getattr(module, "config", None)
+    return sub if sub is not None and _field(sub, "num_attention_heads") is not None else config
+
+
+def _is_alibi(config: Any) -> bool:
+    attn_config = _field(config, "attn_config", None)
+    return bool(
+        _field(config, "model_type", None) == "bloom"
+        or _field(config, "alibi", False)
+        or getattr(attn_config, "alibi", False)
+        or (isinstance(attn_config, dict) and attn_config.get("alibi"))
+        or "alibi" in str(_field(config, "position_embedding_type", "")).lower()
     )
 
 
-def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Raise :class:`UnsupportedModelError` for what fullcg cannot run; return the attention modules.
+def _applies_sliding_masks(model: nn.Module) -> bool:
+    """Whether the model's code builds sliding-window masks at all (its modeling modules use
+    transformers' sliding-window mask functions). Moshi, for one, has a
+    ``config.sliding_window`` that no mask of its applies."""
+    wanted = [getattr(masking_utils, name, None) for name in _SLIDING_MASK_FUNCTIONS]
+    wanted = [f for f in wanted if f is not None]
+    for module_name in {type(m).__module__ for m in model.modules()}:
+        namespace = vars(sys.modules[module_name]) if module_name in sys.modules else {}
+        if any(value is f for value in namespace.values() for f in wanted):
+            return True
+    return False
 
-    Refused: encoder-decoder models, models whose attention does not go through
-    transformers' ``AttentionInterface``, sliding-window attention, attention logit
-    soft-capping, ALiBi, attention sinks, and cross- or bidirectional (non-causal)
-    attention.
+
+def _layer_window(name: str, module: nn.Module, sub: Any) -> int | None:
+    """The sliding window HF's masks give this layer (None: full causal attention).
+
+    With ``config.layer_types``, that list decides (``sliding_attention`` layers get
+    ``config.sliding_window``): models such as Exaone 4 set ``module.sliding_window`` on
+    every layer but apply it only on sliding ones. Without it, ``config.sliding_window``
+    applies to every layer (Mistral, Phi-3, Starcoder2) unless ``use_sliding_window`` is off.
     """
+    layer_types = _field(sub, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)):
+        idx = module.layer_idx
+        if idx >= len(layer_types):
+            raise _refuse(f"a layer missing from config.layer_types ({len(layer_types)} entries)", name, module,
+                          "make config.layer_types list every layer")
+        if layer_types[idx] == "full_attention":
+            return None
+        if layer_types[idx] != "sliding_attention":
+            raise _refuse(f"{layer_types[idx]!r} layers", name, module,
+                          "fullcg runs models whose every layer is full or sliding-window attention")
+        window = _field(sub, "sliding_window", None)
+        if not isinstance(window, int) or window <= 0:
+            raise _refuse(f"a sliding-window layer without a window (config.sliding_window={window!r})", name, module,
+                          "set config.sliding_window")
+        return window
+    if _field(sub, "use_sliding_window", True) is False:
+        return None
+    window = _field(sub, "sliding_window", None)
+    if window is None:
+        return None
+    if not isinstance(window, int) or window <= 0:
+        raise _refuse(f"sliding_window={window!r}", name, module, "set config.sliding_window to a positive integer or None")
+    return window
+
+
+def _layer_spec(name: str, module: nn.Module, config: Any) -> dict[str, Any]:
+    """Keyword arguments of the :class:`fullcg.Attention` that stands in for one HF attention module."""
+    sub = _sub_config(module, config)
+    num_heads = _field(sub, "num_attention_heads", None) or getattr(module, "num_heads", None)
+    groups = getattr(module, "num_key_value_groups", None)
+    if groups:
+        num_kv_heads = num_heads // groups
+    else:
+        num_kv_heads = _field(sub, "num_key_value_heads", None) or num_heads
+    if isinstance(getattr(module, "qk_head_dim", None), int):  # multi-head latent attention, decompressed
+        head_dim = module.qk_head_dim
+    else:
+        head_dim = next((v for v in (getattr(module, "head_dim", None), getattr(module, "head_size", None),
+                                     _field(sub, "head_dim", None)) if isinstance(v, int)), None)
+        head_dim = head_dim or sub.hidden_size // num_heads
+    v_head_dim = getattr(module, "v_head_dim", None)
+    softcap = getattr(module, "attn_logit_softcapping", None) or _field(sub, "attn_logit_softcapping", None)
+    return dict(
+        num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads, layer_id=module.layer_idx,
+        scale=module.scaling, v_head_dim=v_head_dim if isinstance(v_head_dim, int) else None,
+        sliding_window=_layer_window(name, module, sub), logit_softcap=float(softcap) if softcap else None,
+    )
+
+
+def _plan(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, Any]]]:
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"expected a transformers model (with .config), got {type(model).__name__}")
-    if getattr(config, "is_encoder_decoder", False):
+    if _field(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"fullcg cannot run encoder-decoder models yet ({type(model).__name__}); use a decoder-only causal LM"
         )
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if _is_alibi(config) or _is_alibi(text_config):
+        raise UnsupportedModelError(
+            f"fullcg cannot run ALiBi position biases yet ({type(model).__name__} adds them to every layer's "
+            "attention scores); use a model with rotary or learned position embeddings"
+        )
+    modules = list(_attention_modules(model))
+    _check_mixers(model, text_config, modules)
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if callable(can_set) and not can_set():
         raise UnsupportedModelError(
             f"{type(model).__name__} computes attention itself instead of through transformers' AttentionInterface, "
             "so fullcg cannot plug in; use a model class that supports attn_implementation"
         )
-    modules = list(_attention_modules(model))
     if not modules:
         raise UnsupportedModelError(
             f"found no attention modules (with layer_idx and scaling) in {type(model).__name__}; fullcg supports "
             "decoder-only transformers models whose attention goes through AttentionInterface"
         )
-    layer_types = getattr(config, "layer_types", None)
-    for name, module in modules:
-        idx = module.layer_idx
-        sub = getattr(module, "config", config)
-        layer_type = layer_types[idx] if layer_types is not None and idx < len(layer_types) else None
-        window = getattr(module, "sliding_window", None)
-        if window is None and layer_type is None:
-            window = getattr(sub, "sliding_window", None)  # e.g. Mistral: one window for every layer
-        if window is not None or (layer_type is not None and "sliding" in layer_type):
-            raise _refuse(
-                f"sliding-window attention (window {window or getattr(sub, 'sliding_window', None)})", name, module,
-                "if no sequence ever exceeds the window, full attention is exact: set config.sliding_window=None "
-                "(and config.use_sliding_window=False where the config has it) before building the model",
+    for key in _LOOP_FIELDS:
+        loops = _field(text_config, key, None)
+        if isinstance(loops, int) and not isinstance(loops, bool) and loops > 1:
+            raise UnsupportedModelError(
+                f"fullcg cannot run decoder layers that run several times per step yet (config.{key} = {loops} in "
+                f"{type(model).__name__}): each pass would save its keys and values over the last one's in the "
+                "layer's one KV cache"
             )
-        if layer_type is not None and layer_type != "full_attention":
-            raise _refuse(f"{layer_type!r} layers", name, module, "only 'full_attention' layers are supported")
-        softcap = getattr(module, "attn_logit_softcapping", None) or getattr(sub, "attn_logit_softcapping", None)
-        if softcap:
-            raise _refuse(f"attention logit soft-capping (attn_logit_softcapping={softcap})", name, module,
-                          "there is no fix on the fullcg side yet")
-        if getattr(sub, "alibi", False) or "alibi" in str(getattr(sub, "position_embedding_type", "")).lower():
-            raise _refuse("ALiBi position biases", name, module, "there is no fix on the fullcg side yet")
-        if getattr(module, "sinks", None) is not None:
-            raise _refuse("attention sinks", name, module, "there is no fix on the fullcg side yet")
-        if getattr(module, "is_cross_attention", False) or getattr(sub, "add_cross_attention", False):
+    sliding_masks = _applies_sliding_masks(model)
+    plan = []
+    seen: dict[int, str] = {}
+    for name, module in modules:
+        sub = _sub_config(module, text_config)
+        if any(hasattr(module, a) for a in ("lambda_q1", "lambda_init")) or "DiffLlama" in type(module).__name__:
+            raise _refuse(
+                f"differential attention ({type(module).__name__} attends twice per layer, over each half of the "
+                "values, and subtracts)", name, module, "there is no fix on the fullcg side yet")
+        if callable(getattr(module, "prepare_dynamic_mask", None)) or _field(sub, "keep_window_size") is not None:
+            raise _refuse(
+                f"a dynamic (content-dependent) attention mask ({type(module).__name__} builds it from the values)",
+                name, module, "there is no fix on the fullcg side yet")
+        if (getattr(module, "is_cross_attention", False) or _field(sub, "add_cross_attention", False)
+                or re.search(r"encoder_attn|cross_?att", name, re.IGNORECASE)):
             raise _refuse("cross-attention", name, module, "use a decoder-only causal LM")
-        if getattr(module, "is_causal", True) is not True or getattr(sub, "is_causal", True) is not True:
+        if (getattr(module, "is_causal", True) is not True or _field(sub, "is_causal", True) is not True
+                or _field(sub, "use_bidirectional_attention", False) or _field(sub, "prefix_lm", False)):
             raise _refuse("non-causal (bidirectional) attention", name, module, "use a decoder-only causal LM")
-    return modules
+        if module.layer_idx in seen:
+            raise _refuse(f"two attention modules with one layer_idx ({seen[module.layer_idx]} and {name})", name,
+                          module, "fullcg keeps one KV cache per layer_idx")
+        seen[module.layer_idx] = name
+        spec = _layer_spec(name, module, text_config)
+        window = spec["sliding_window"]
+        if window is not None and not sliding_masks:
+            # The config has a window no mask of the model applies; HF's caches would (Moshi), so
+            # its forward and its generate disagree past the window. A window no position can
+            # exceed is the same as none.
+            longest = _field(sub, "max_position_embeddings")
+            if not isinstance(longest, int) or window < longest:
+                raise _refuse(
+                    f"config.sliding_window={window}, which no mask of {type(model).__name__} applies (its "
+                    "transformers cache would, so HF's forward and generate disagree past the window)", name, module,
+                    "fullcg cannot tell which is meant; if no sequence is longer than the window, either is exact: "
+                    "set config.sliding_window to config.max_position_embeddings (or None) before building the model")
+            spec["sliding_window"] = None
+        sinks = getattr(module, "sinks", None)
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (spec["num_heads"],)):
+            raise _refuse(f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))}", name, module,
+                          f"fullcg takes one sink logit per query head ([{spec['num_heads']}])")
+        plan.append((name, module, spec))
+    return plan
+
+
+def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Raise :class:`UnsupportedModelError` for what fullcg cannot run; return the attention modules.
+
+    Refused: encoder-decoder models; ALiBi; token mixers that keep a state between steps
+    (Mamba/SSM, short convolutions, linear attention and gated DeltaNet, recurrent
+    blocks), found by class name, structure and ``config.layer_types``; differential
+    attention (DiffLlama); dynamic masks (Doge); models whose attention does not go
+    through transformers' ``AttentionInterface``; cross- and bidirectional attention.
+    Runs (each layer's :class:`fullcg.Attention` gets them): sliding windows per layer,
+    attention logit soft-capping, attention sinks, a value head size of its own.
+    """
+    return [(name, module) for name, module, _ in _plan(model)]
 
 
 def prepare(
@@ -233,25 +478,22 @@ def prepare(
     Checks the model (:func:`check_supported`), switches it to
     ``attn_implementation="fullcg"`` (registering it if needed), and gives each attention
     module a :class:`fullcg.Attention` child with a cache of ``num_pages`` pages of
-    ``page_size`` tokens, in ``dtype``/``device`` (default: the module's weights').
-    Calling it again replaces the caches.
+    ``page_size`` tokens, in ``dtype``/``device`` (default: the module's weights'). Each
+    layer gets HF's head counts and sizes, sliding window (``config.layer_types`` first)
+    and attention logit soft-cap. Calling it again replaces the caches.
 
     Returns a :class:`PackedCausalLM` over ``model`` (``input_ids [T], positions [T] ->
     logits [T, vocab]``): the module to compile, run steps with, or pass to
     :func:`fullcg.generate`.
     """
-    modules = check_supported(model)
+    plan = _plan(model)
     register()
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         logger.info("switching %s from attn_implementation=%r to %r", type(model).__name__,
                     model.config._attn_implementation, ATTN_IMPLEMENTATION)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    for name, module in modules:
-        sub = getattr(module, "config", model.config)
-        num_heads = sub.num_attention_heads
-        groups = getattr(module, "num_key_value_groups", None)
-        num_kv_heads = num_heads // groups if groups else getattr(sub, "num_key_value_heads", None) or num_heads
-        attn = fullcg.Attention(num_heads, module.head_dim, num_kv_heads, layer_id=module.layer_idx, scale=module.scaling)
+    for _, module, spec in plan:
+        attn = fullcg.Attention(**spec)
         ref = next(module.parameters(), None)
         attn.allocate_kv_cache(
             num_pages, page_size,
@@ -260,7 +502,7 @@ def prepare(
         )
         setattr(module, _CHILD, attn)  # a child module: forward_context(metadata, model) finds the cache
     logger.info("fullcg: prepared %d attention layers of %s (%d pages of %d tokens each)",
-                len(modules), type(model).__name__, num_pages, page_size)
+                len(plan), type(model).__name__, num_pages, page_size)
     return PackedCausalLM(model)
 
 
