@@ -8,6 +8,13 @@ import atexit
 import shutil
 import tempfile
 
+import torch
+
+# Without a GPU the Triton kernels run under Triton's CPU interpreter, which is chosen when
+# triton is first imported: set here, before any test module (or fullcg) can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The compile cache is on by default and lives in ~/.cache/fullcg: the suite must neither
 # write there nor depend on what an earlier run left. Tests run with it off, in a private
 # directory; the compile-cache tests turn it on for themselves.

@@ -45,10 +45,10 @@ def test_launchers_know_the_constexpr_parameters_of_the_decode_kernel():
     decode = decode_kernels._DECODE
     assert decode.constexpr_names == (
         "GROUP", "BLOCK_M", "BLOCK_N", "SPLIT_TILES", "BLOCK_S", "UNROLL", "HEAD_D", "HEAD_DV", "PAGED", "PAGE_SIZE", "SKIP",
-        "DOT_F32", "SAVE",
+        "DOT_F32", "SAVE", "WINDOW", "SOFTCAP",
     )
     names = list(inspect.signature(decode.fn.fn).parameters)
-    for count in ("num_splits", "num_requests", "num_rows"):
+    for count in ("num_splits", "num_requests", "num_rows", "window"):
         assert decode._key_fns[names.index(count)] is _unspecialised_key, f"{count} is marked do_not_specialize"
 
 
