@@ -287,7 +287,7 @@ REFUSED = {
     # HF's forward ignores the window, its cache applies it: forward and generate disagree past it.
     "moshi (a window no mask applies)": (
         lambda: transformers.MoshiForCausalLM(_tiny("MoshiConfig", head_dim=16, sliding_window=WINDOW)),
-        r"config\.sliding_window=4, which no mask of MoshiForCausalLM applies.*layer 0 \(model\.layers\.0\.self_attn\)"),
+        r"sliding window no mask of MoshiForCausalLM applies \(config\.sliding_window=4;.*layer 0 \(model\.layers\.0\.self_attn\)"),
     "t5 (encoder-decoder)": (
         lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),

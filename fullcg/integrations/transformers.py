@@ -5,8 +5,10 @@ transformers looks attention functions up by name in a public registry
 registry (``AttentionMaskInterface``) with a mask function that builds nothing, because
 fullcg's ops know each request's extent from the step's metadata. :func:`prepare` gives
 every attention module of a model a :class:`fullcg.Attention` child (layer id from HF's
-``layer_idx``, scale from HF's ``scaling``) with a paged KV cache, after refusing what
-fullcg cannot run yet.
+``layer_idx``; head sizes, sliding window and logit soft-cap as HF applies them to that
+layer) with a paged KV cache, after refusing what fullcg cannot run yet: token mixers
+that keep a state of their own (Mamba, short convolutions, linear attention), and
+attention it cannot reproduce. Each call passes its softmax scale and sink logits on.
 
 The model is then driven with *packed* batches, as vLLM's Transformers backend does:
 batch dimension 1, every request's new tokens concatenated, ``position_ids`` per token,
@@ -188,7 +190,9 @@ _STATEFUL_MIXERS: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 # config.layer_types entries (and the like) fullcg runs; anything else is a mixer it does not.
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# ("attention" is GraniteMoeHybrid's name for a full-attention layer.)
+_FULL_ATTENTION_LAYER_TYPES = ("full_attention", "attention")
+_ATTENTION_LAYER_TYPES = (*_FULL_ATTENTION_LAYER_TYPES, "sliding_attention")
 _LAYER_TYPE_FEATURES = {
     "linear_attention": "linear attention",
     "mamba": "Mamba (state-space) layers",
@@ -213,7 +217,9 @@ def _layer_of(name: str) -> int | str:
     return int(match.group(1)) if match else "?"
 
 
-def _refuse(feature: str, name: str, module: nn.Module | None, fix: str, layer: int | str | None = None) -> UnsupportedModelError:
+def _refuse(
+    feature: str, name: str, module: nn.Module | None, fix: str, layer: int | str | None = None
+) -> UnsupportedModelError:
     if layer is None:
         layer = getattr(module, "layer_idx", None)
         layer = layer if isinstance(layer, int) else _layer_of(name)
@@ -264,7 +270,7 @@ def _check_mixers(model: nn.Module, config: Any, attention: list[tuple[str, nn.M
         if not isinstance(types, (list, tuple)):
             continue
         for i, layer_type in enumerate(types):
-            if layer_type in _ATTENTION_LAYER_TYPES or (key != "layer_types" and layer_type == "attention"):
+            if layer_type in _ATTENTION_LAYER_TYPES:
                 continue
             feature = _LAYER_TYPE_FEATURES.get(layer_type, f"{layer_type!r} layers")
             raise _refuse(f"{feature} (config.{key}[{i}] = {layer_type!r})", "", None,
@@ -320,6 +326,7 @@ def _layer_window(name: str, module: nn.Module, sub: Any) -> int | None:
     ``config.sliding_window``): models such as Exaone 4 set ``module.sliding_window`` on
     every layer but apply it only on sliding ones. Without it, ``config.sliding_window``
     applies to every layer (Mistral, Phi-3, Starcoder2) unless ``use_sliding_window`` is off.
+    :func:`_plan` then drops (or refuses) a window none of the model's masks applies.
     """
     layer_types = _field(sub, "layer_types", None)
     if isinstance(layer_types, (list, tuple)):
@@ -327,7 +334,7 @@ def _layer_window(name: str, module: nn.Module, sub: Any) -> int | None:
         if idx >= len(layer_types):
             raise _refuse(f"a layer missing from config.layer_types ({len(layer_types)} entries)", name, module,
                           "make config.layer_types list every layer")
-        if layer_types[idx] == "full_attention":
+        if layer_types[idx] in _FULL_ATTENTION_LAYER_TYPES:
             return None
         if layer_types[idx] != "sliding_attention":
             raise _refuse(f"{layer_types[idx]!r} layers", name, module,
@@ -438,8 +445,8 @@ def _plan(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, Any]]]:
             longest = _field(sub, "max_position_embeddings")
             if not isinstance(longest, int) or window < longest:
                 raise _refuse(
-                    f"config.sliding_window={window}, which no mask of {type(model).__name__} applies (its "
-                    "transformers cache would, so HF's forward and generate disagree past the window)", name, module,
+                    f"a sliding window no mask of {type(model).__name__} applies (config.sliding_window={window}; "
+                    "its transformers cache would, so HF's forward and generate disagree past the window)", name, module,
                     "fullcg cannot tell which is meant; if no sequence is longer than the window, either is exact: "
                     "set config.sliding_window to config.max_position_embeddings (or None) before building the model")
             spec["sliding_window"] = None
@@ -458,7 +465,8 @@ def check_supported(model: nn.Module) -> list[tuple[str, nn.Module]]:
     (Mamba/SSM, short convolutions, linear attention and gated DeltaNet, recurrent
     blocks), found by class name, structure and ``config.layer_types``; differential
     attention (DiffLlama); dynamic masks (Doge); models whose attention does not go
-    through transformers' ``AttentionInterface``; cross- and bidirectional attention.
+    through transformers' ``AttentionInterface``; cross- and bidirectional attention;
+    layers run several times per step; a config window no mask of the model applies.
     Runs (each layer's :class:`fullcg.Attention` gets them): sliding windows per layer,
     attention logit soft-capping, attention sinks, a value head size of its own.
     """
