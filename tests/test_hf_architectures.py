@@ -181,20 +181,24 @@ def test_eager_logits_equal_hf_every_step(arch):
     assert any({"decode", "prefill"} <= k for k in kinds) and {"decode"} in kinds  # mixed, decode-only
 
 
+@pytest.mark.parametrize("graph_mode", fullcg.config.GRAPH_MODES)
 @pytest.mark.parametrize("arch", COMPILED)
-def test_compiled_logits_equal_hf_every_step_in_pieces_and_as_one_graph(arch):
-    # graph_mode="full_and_piecewise": prefill, chunked-prefill and mixed steps run as compiled
-    # pieces with attention between them, decode-only steps as one graph with attention inside.
+def test_compiled_logits_equal_hf_every_step_in_every_graph_mode(arch, graph_mode):
     torch._dynamo.reset()
     ref, _, step_module = build_pair(arch)
-    config = fullcg.FullCGConfig(graph_mode="full_and_piecewise", compiler="eager")
+    config = fullcg.FullCGConfig(graph_mode=graph_mode, compiler="eager")
     compiled = fullcg.compile(step_module, config)
     fullcg.reset_graph_mode_counts()
     worst, kinds = run_steps(ref, step_module, compiled, config=config)
     assert worst < TOLERANCE
-    decode_steps = sum(k == {"decode"} for k in kinds)
-    assert fullcg.graph_mode_counts() == {"full:eager": decode_steps, "piecewise:eager": len(kinds) - decode_steps}
-    assert 0 < decode_steps < len(kinds)
+    counts = fullcg.graph_mode_counts()
+    assert sum(counts.values()) == len(kinds)  # every step ran compiled
+    if graph_mode == "full_and_piecewise":
+        # Prefill, chunked-prefill and mixed steps as pieces with attention between them,
+        # decode-only steps as one graph with attention inside.
+        decode_steps = sum(k == {"decode"} for k in kinds)
+        assert counts == {"full:eager": decode_steps, "piecewise:eager": len(kinds) - decode_steps}
+        assert 0 < decode_steps < len(kinds)
 
 
 @pytest.mark.parametrize("arch, compiled", [(a, False) for a in ARCHITECTURES] + [(a, True) for a in GENERATE_COMPILED],
