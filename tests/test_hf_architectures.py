@@ -201,6 +201,15 @@ def test_compiled_logits_equal_hf_every_step_in_every_graph_mode(arch, graph_mod
         assert 0 < decode_steps < len(kinds)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_inductor_compiled_logits_equal_hf_with_windows_soft_caps_and_sinks(arch):
+    torch._dynamo.reset()
+    ref, _, step_module = build_pair(arch)
+    config = fullcg.FullCGConfig(graph_mode="piecewise", compiler="inductor")
+    compiled = fullcg.compile(step_module, config)
+    assert run_steps(ref, step_module, compiled, config=config)[0] < TOLERANCE
+
+
 @pytest.mark.parametrize("arch, compiled", [(a, False) for a in ARCHITECTURES] + [(a, True) for a in GENERATE_COMPILED],
                          ids=[f"{a}-eager" for a in ARCHITECTURES] + [f"{a}-compiled" for a in GENERATE_COMPILED])
 def test_greedy_generate_equals_hf_generate_token_for_token(arch, compiled):
