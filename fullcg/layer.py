@@ -253,7 +253,9 @@ class Attention(nn.Module, CacheOwner):
             out = out.view(q3.shape[0], self.num_heads * self.v_head_dim)
         return (out, lse) if return_lse else out
 
-    def merge_prefix_chunks(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    def merge_prefix_chunks(
+        self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, scale: float | None = None
+    ) -> None:
         """Attend ``q`` over every chunk of this step's cached prefix, merging each into
         ``out``/``lse`` in place (the chunked-prefix pattern, whatever the chunk count).
 
@@ -263,13 +265,18 @@ class Attention(nn.Module, CacheOwner):
         The chunk loop runs inside one op, so a compiled model has one graph for every
         chunk count (a Python loop over chunks in the model would trace one per count).
         Models that transform a chunk before attending to it (an up-projection) use
-        :meth:`gather_prefix_chunk` and ``prefix_chunk=c`` instead.
+        :meth:`gather_prefix_chunk` and ``prefix_chunk=c`` instead. ``scale`` overrides the
+        layer's softmax scale, as in :meth:`forward`; pass the one the partial result used.
         """
+        if scale is None:
+            scale = self.scale
+        elif not _positive_finite(scale):
+            raise ValueError(f"Attention(layer_id={self.layer_id}): scale must be a positive finite number, got {scale!r}")
         q3 = self._as_3d(q, "q", self.num_heads, self.head_dim)
         out3 = self._as_3d(out, "out", self.num_heads, self.v_head_dim)
         prefill_factor, decode_factor = context.skip_softmax_factors()
         torch.ops.fullcg.merge_prefix_chunks.default(
-            q3, out3, lse, self.layer_id, prefill_factor, decode_factor, self.scale,
+            q3, out3, lse, self.layer_id, prefill_factor, decode_factor, scale,
             self._kv_cache.uid if self._kv_cache is not None else 0, self.sliding_window, self.logit_softcap,
         )
 

@@ -207,3 +207,18 @@ def test_decode_mode_is_inferred_and_validated():
     assert b.metadata.forward_modes == (ForwardMode.DECODE, ForwardMode.PREFILL, ForwardMode.EXTEND)
     assert not b.metadata.is_decode_only
     assert make_batch([1, 1], [2, 3]).metadata.is_decode_only
+
+
+def test_merge_prefix_chunks_takes_the_calls_own_scale_like_forward():
+    """A model that scales q itself passes scale=1.0 to both calls; the merged result is the
+    whole-sequence attention of the scaled q at scale 1."""
+    b = make_batch([5, 3], [11, 6], prefix_chunk_tokens=8, seed=4)
+    expected_out, expected_lse = oracle(b)
+    with fullcg.forward_context(b.metadata, b.layer):
+        q = b.q * b.layer.scale
+        out, lse = b.layer(q, b.k, b.v, return_lse=True, use_kv_cache=False, save_kv_cache=True, scale=1.0)
+        b.layer.merge_prefix_chunks(q, out, lse, scale=1.0)
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            b.layer.merge_prefix_chunks(q, out, lse, scale=0.0)
+    assert (out.double() - expected_out).abs().max() < 1e-5
+    assert (lse.double() - expected_lse).abs().max() < 1e-5

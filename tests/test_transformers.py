@@ -256,3 +256,12 @@ def test_fullcg_compile_serves_one_token_and_long_steps_in_either_order(first_to
                 start += q
     # One graph for every token count, one-token steps included.
     assert len(compiled.backend.runners) == 1
+
+
+def test_an_eager_packed_step_at_the_wrong_position_is_refused():
+    _, model, step_module = build_pair("llama")
+    md = fullcg.AttentionMetadata.build([2], [3], torch.tensor([[0, 1]], dtype=torch.int32), 4)
+    with fullcg.forward_context(md, model), torch.no_grad():
+        with pytest.raises(fullcg.errors.InvalidBatchError, match="at position 0 but the metadata puts it at 3"):
+            step_module(torch.tensor([1, 2]), torch.tensor([0, 1]))
+        step_module(torch.tensor([1, 2]), torch.tensor([3, 4]))

@@ -551,6 +551,7 @@ class PackedCausalLM(nn.Module):
         return tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        fullcg.context.check_positions(positions)  # eager steps; compiled ones under debug_checks
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         return out.logits[0]
 
