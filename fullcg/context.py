@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fullcg.config import FullCGConfig, env_config
+from fullcg.config import FullCGConfig, env_config, layer_factors
 from fullcg.errors import InferenceTensorError
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata
@@ -100,6 +100,7 @@ class _ThreadState(threading.local):
         self.prefix_chunk_tokens = 0
         self.prefill_factor: float | None = None
         self.decode_factor: float | None = None
+        self.layer_factors: tuple[tuple[int, float | None, float | None], ...] = ()
 
     def publish(self) -> None:
         if self.stack:
@@ -109,9 +110,11 @@ class _ThreadState(threading.local):
             self.prefix_chunk_tokens = ctx.metadata.prefix_chunk_tokens
             self.prefill_factor = ctx.config.skip_softmax.prefill_scale_factor
             self.decode_factor = ctx.config.skip_softmax.decode_scale_factor
+            self.layer_factors = ctx.config.skip_softmax.per_layer
         else:
             self.breakable, self.num_prefix_chunks, self.prefix_chunk_tokens = False, 0, 0
             self.prefill_factor = self.decode_factor = None
+            self.layer_factors = ()
 
 
 _state = _ThreadState()
@@ -287,7 +290,8 @@ def derived_context(
 
 
 #: The static facts traced code may read, in the order :func:`static_facts` gives them.
-STATIC_FACTS = ("breakable", "num_prefix_chunks", "prefix_chunk_tokens", "prefill_factor", "decode_factor")
+STATIC_FACTS = ("breakable", "num_prefix_chunks", "prefix_chunk_tokens", "prefill_factor", "decode_factor",
+                "layer_factors")
 
 
 def static_facts() -> tuple[object, ...]:
@@ -295,7 +299,7 @@ def static_facts() -> tuple[object, ...]:
     what traced code may read, so what Dynamo guards on when it does."""
     state = _state
     return (state.breakable, state.num_prefix_chunks, state.prefix_chunk_tokens, state.prefill_factor,
-            state.decode_factor)
+            state.decode_factor, state.layer_factors)
 
 
 def has_forward_context() -> bool:
@@ -384,9 +388,14 @@ def num_prefix_chunks() -> int:
     return _state.num_prefix_chunks
 
 
-def skip_softmax_factors() -> tuple[float | None, float | None]:
-    """The current step's configured (prefill, decode) skip-softmax factors; None = dense."""
-    return _state.prefill_factor, _state.decode_factor
+def skip_softmax_factors(layer_id: int | None = None) -> tuple[float | None, float | None]:
+    """The current step's configured (prefill, decode) skip-softmax factors for ``layer_id``
+    (its own where ``SkipSoftmaxConfig.per_layer`` has it, else the global pair); None = dense."""
+    state = _state
+    default = (state.prefill_factor, state.decode_factor)
+    if layer_id is None or not state.layer_factors:
+        return default
+    return layer_factors(state.layer_factors, layer_id, default)
 
 
 def prefix_chunk_tokens() -> int:

@@ -104,7 +104,9 @@ def split_report(
         f"compiler: {config.compiler}",
         f"attention implementation: {_implementation_line(config.attention_impl, device)}",
         f"skip-softmax factors: prefill={config.skip_softmax.prefill_scale_factor}, "
-        f"decode={config.skip_softmax.decode_scale_factor}",
+        f"decode={config.skip_softmax.decode_scale_factor}"
+        + (f", per layer (layer, prefill, decode): {list(config.skip_softmax.per_layer)}"
+           if config.skip_softmax.per_layer else ""),
         f"capture sizes ({len(sizes)}): {list(sizes)}",
         f"pass uuid: {pass_uuid}",
         "",

@@ -230,7 +230,7 @@ class Attention(nn.Module, CacheOwner):
                 f"got shape {tuple(sinks.shape)}"
             )
         out = torch.empty((q3.shape[0], self.num_heads, self.v_head_dim), dtype=q3.dtype, device=q3.device)
-        prefill_factor, decode_factor = context.skip_softmax_factors()
+        prefill_factor, decode_factor = context.skip_softmax_factors(self.layer_id)
         op = ATTENTION_OPS[(context.is_breakable(), bool(return_lse) or sinks is not None)]
         lse = op(
             q3, k3, v3, out, self.layer_id, key_value_num_tokens, prefill_factor, decode_factor, scale,
@@ -274,7 +274,7 @@ class Attention(nn.Module, CacheOwner):
             raise ValueError(f"Attention(layer_id={self.layer_id}): scale must be a positive finite number, got {scale!r}")
         q3 = self._as_3d(q, "q", self.num_heads, self.head_dim)
         out3 = self._as_3d(out, "out", self.num_heads, self.v_head_dim)
-        prefill_factor, decode_factor = context.skip_softmax_factors()
+        prefill_factor, decode_factor = context.skip_softmax_factors(self.layer_id)
         torch.ops.fullcg.merge_prefix_chunks.default(
             q3, out3, lse, self.layer_id, prefill_factor, decode_factor, scale,
             self._kv_cache.uid if self._kv_cache is not None else 0, self.sliding_window, self.logit_softcap,

@@ -158,3 +158,59 @@ def test_the_end_to_end_benchmark_measures_skipping_and_the_logits_it_moves_in_s
     unskipped = [r for r in result["prefill"] if r["skipped_fraction"] == 0.0]
     assert unskipped and all(r["max_rel_change"] < 1e-4 and r["same_top1"] == 1.0 for r in unskipped)
     assert result["nearest_to_target"]["decode"] is large
+
+
+# --- per-layer factors -----------------------------------------------------------------------
+
+
+def test_per_layer_factors_are_stored_sorted_and_override_the_global_pair():
+    skip = fullcg.SkipSoftmaxConfig(100.0, 4.0, per_layer={3: (None, 1.0), 1: (50.0, None)})
+    assert skip.per_layer == ((1, 50.0, None), (3, None, 1.0))
+    assert skip.factors_for(1) == (50.0, None) and skip.factors_for(3) == (None, 1.0)
+    assert skip.factors_for(0) == (100.0, 4.0)
+    assert fullcg.SkipSoftmaxConfig(per_layer={0: (None, None)}).enabled is False
+    assert fullcg.SkipSoftmaxConfig(per_layer={0: (5.0, None)}).enabled is True
+    assert hash(skip) == hash(fullcg.SkipSoftmaxConfig(100.0, 4.0, per_layer=((1, 50.0, None), (3, None, 1.0))))
+
+
+@pytest.mark.parametrize(
+    "per_layer, message",
+    [
+        ({-1: (1.0, 1.0)}, "layer ids must be integers >= 0"),
+        ({0: 5.0}, r"each layer needs a \(prefill_factor, decode_factor\) pair"),
+        ({0: (float("nan"), None)}, r"per_layer\[0\] prefill factor must be a finite number"),
+        ([(0, 1.0, 1.0), (0, 2.0, 2.0)], "layer 0 is given twice"),
+        ("fast", "must be a dict"),
+    ],
+)
+def test_bad_per_layer_factors_are_refused_naming_the_layer(per_layer, message):
+    with pytest.raises((fullcg.errors.InvalidConfigError, fullcg.errors.ConfigTypeError), match=message):
+        fullcg.SkipSoftmaxConfig(per_layer=per_layer)
+
+
+def _tiny_prefill(skip: fullcg.SkipSoftmaxConfig, compiler: str | None, graph_mode: str = "full"):
+    from fullcg.models.llama import LlamaConfig, LlamaModel
+
+    torch._dynamo.reset()
+    model = LlamaModel(LlamaConfig.tiny(), seed=0)
+    model.allocate_kv_cache(16, 8)
+    config = fullcg.FullCGConfig(attention_impl="reference", skip_softmax=skip, graph_mode=graph_mode,
+                                 **({"compiler": compiler} if compiler else {}))
+    run = fullcg.compile(model, config) if compiler else model
+    md = fullcg.AttentionMetadata.build([48], [0], torch.arange(6, dtype=torch.int32)[None], 8)
+    fullcg.reset_skip_softmax_stats()
+    with torch.inference_mode(), fullcg.forward_context(md, model, config=config):
+        logits = run(torch.arange(3, 51), torch.arange(48))
+    return logits, fullcg.skip_softmax_stats()
+
+
+@pytest.mark.parametrize("compiler, graph_mode", [(None, "full"), ("eager", "full"), ("eager", "piecewise")],
+                         ids=["eager-model", "compiled-full", "compiled-piecewise"])
+def test_a_dense_layer_among_skipping_ones_counts_no_tiles_in_every_graph_mode(compiler, graph_mode):
+    skip = fullcg.SkipSoftmaxConfig(40.0, None, tile_kv=8, tile_q=4, per_layer={0: (None, None)})
+    logits, stats = _tiny_prefill(skip, compiler, graph_mode)
+    assert stats.get(0, fullcg.SkipSoftmaxStats()).visited == 0 and stats[1].prefill_visited > 0
+    # The same as skipping in layer 1 alone, written the other way round.
+    other = fullcg.SkipSoftmaxConfig(None, None, tile_kv=8, tile_q=4, per_layer={1: (40.0, None)})
+    logits2, stats2 = _tiny_prefill(other, compiler, graph_mode)
+    assert torch.equal(logits, logits2) and stats[1] == stats2[1]

@@ -107,12 +107,12 @@ class AttributesPass:
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         _check_one_save_per_layer(graph)
-        for node in prefix_chunk_nodes(graph):  # attention over prefix chunks: the same factors
-            set_node_attribute(node, "skip_softmax_prefill_scale_factor", self.skip_softmax.prefill_scale_factor)
-            set_node_attribute(node, "skip_softmax_decode_scale_factor", self.skip_softmax.decode_scale_factor)
+        # Attention over prefix chunks takes its layer's factors, as the layer's own call does.
+        for node in [*prefix_chunk_nodes(graph), *attention_nodes(graph)]:
+            prefill, decode = self.skip_softmax.factors_for(node_attribute(node, "layer_id"))
+            set_node_attribute(node, "skip_softmax_prefill_scale_factor", prefill)
+            set_node_attribute(node, "skip_softmax_decode_scale_factor", decode)
         for node in attention_nodes(graph):
-            set_node_attribute(node, "skip_softmax_prefill_scale_factor", self.skip_softmax.prefill_scale_factor)
-            set_node_attribute(node, "skip_softmax_decode_scale_factor", self.skip_softmax.decode_scale_factor)
             kv_tokens = node_attribute(node, "key_value_num_tokens")
             rows = _rows(node.args[1])
             if isinstance(kv_tokens, int) and isinstance(rows, int) and not 0 <= kv_tokens <= rows:
