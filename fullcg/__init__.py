@@ -10,6 +10,8 @@ The public surface:
 - :class:`FullCGConfig`, :class:`SkipSoftmaxConfig`: configuration;
 - :func:`merge_attn_states`: exact merge of two partial attention results by LSE;
 - :func:`skip_softmax_stats`, :func:`reset_skip_softmax_stats`: skip-softmax counters;
+- :func:`calibrate_skip_softmax`, :class:`SkipSoftmaxProbe`: skip-softmax factors measured
+  on a model and text, and chosen for a target;
 - :class:`PageOwnership`: a cross-step guard on which request owns each KV-cache page;
 - :mod:`fullcg.errors`: the exception types fullcg raises on bad input;
 - :func:`capture`: capture CUDA graphs for every capture size up front;
@@ -31,6 +33,9 @@ from fullcg import errors
 from fullcg.ops import merge_attn_states
 from fullcg.runner import capture, graph_mode_counts, reset_graph_mode_counts
 from fullcg.telemetry import SkipSoftmaxStats, reset_skip_softmax_stats, skip_softmax_stats
+from fullcg.calibrate import (
+    SkipSoftmaxCalibration, SkipSoftmaxMeasurement, SkipSoftmaxProbe, calibrate_skip_softmax,
+)
 
 # Last: the generation module uses the names above through the package.
 from fullcg.generate import generate  # noqa: E402  (binds fullcg.generate to the function)
@@ -50,6 +55,10 @@ __all__ = [
     "errors",
     "SkipSoftmaxConfig",
     "SkipSoftmaxStats",
+    "SkipSoftmaxCalibration",
+    "SkipSoftmaxMeasurement",
+    "SkipSoftmaxProbe",
+    "calibrate_skip_softmax",
     "capture",
     "graph_mode_counts",
     "reset_graph_mode_counts",
