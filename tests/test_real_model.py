@@ -64,10 +64,13 @@ def prepared(num_pages: int = 16):
     return model, fhf.prepare(model, num_pages=num_pages, page_size=PAGE_SIZE)
 
 
-def test_hf_answers_the_prompts_in_words():
+def test_hf_answers_the_prompts_in_words_and_stops_at_the_end_of_its_turn():
     # What the equality tests below compare is a real answer, not a degenerate repetition.
-    text = smollm2.load_tokenizer().decode(hf_answers()[0], skip_special_tokens=True)
-    assert text == "The capital of France is Paris."
+    tokenizer = smollm2.load_tokenizer()
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert hf_model().generation_config.eos_token_id == end_of_turn  # not <|im_start|> (transformers 5.17)
+    assert hf_answers()[0][-1] == end_of_turn
+    assert tokenizer.decode(hf_answers()[0], skip_special_tokens=True) == "The capital of France is Paris."
     assert all(len(set(a)) > 5 for a in hf_answers())
 
 

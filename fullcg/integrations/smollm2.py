@@ -79,9 +79,12 @@ def _load_once() -> torch.nn.Module:
 
     logger.info("loading SmolLM2-135M-Instruct from %s (dequantizing its GGUF file)", GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(_model_folder(), gguf_file=GGUF_FILE, dtype=torch.float32)
-    tok = _load_tokenizer()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    # Stop at the end of the assistant's turn, <|im_end|>: the file's eos_token_id, as the
+    # model config reads it. Not the tokenizer's eos token: transformers 5.17 reads that as
+    # <|im_start|>, so generate would run past the answer into a new turn.
+    eos = model.config.eos_token_id
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else eos
     return model.eval()
 
 
