@@ -32,9 +32,12 @@ QUESTIONS = [
     "What does a CPU do? Answer in one sentence.",
     "Write a haiku about the sea.",
 ]
+#: The real model's token budget per step: the prompts (36-41 tokens) are prefilled in
+#: chunks, beside other requests' decodes.
+STEP_TOKENS = 32
 
 
-def _config(args: argparse.Namespace, **defaults: str) -> fullcg.FullCGConfig:
+def _config(args: argparse.Namespace, **defaults: object) -> fullcg.FullCGConfig:
     """Flags over ``FULLCG_*`` environment variables over ``defaults``."""
     given = {"graph_mode": args.graph_mode, "compiler": args.compiler, "attention_impl": args.attention_impl,
              "dump_dir": args.dump_dir}
@@ -68,7 +71,7 @@ def smollm2_demo(args: argparse.Namespace, device: torch.device) -> int:
 
     max_new_tokens = args.max_new_tokens or 48
     # fp32 everywhere (135M parameters), so the greedy tokens of fullcg and HF can be asked to be equal.
-    config = _config(args, **({"compiler": "eager"} if device.type == "cpu" else {}))
+    config = _config(args, max_capture_size=STEP_TOKENS, **({"compiler": "eager"} if device.type == "cpu" else {}))
     print("fullcg demo: loading SmolLM2-135M-Instruct (dequantizing its GGUF file, about 20 s) ...",
           file=sys.stderr, flush=True)
     with _quiet(not args.verbose):  # the loaders' progress bars
@@ -81,11 +84,10 @@ def smollm2_demo(args: argparse.Namespace, device: torch.device) -> int:
     print(f"fullcg demo: SmolLM2-135M-Instruct ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, fp32) "
           f"on {device}, graph_mode={config.graph_mode}, compiler={config.compiler}, "
           f"attention_impl={config.attention_impl}; {len(prompts)} chat prompts, greedy, "
-          f"at most {max_new_tokens} new tokens, steps of at most 32 tokens")
+          f"at most {max_new_tokens} new tokens, steps of at most {STEP_TOKENS} tokens")
     fullcg.reset_graph_mode_counts()
     start = time.perf_counter()
-    # A budget of 32 tokens a step: prompts (about 40 tokens) are prefilled in chunks, beside decodes.
-    got = fullcg.generate(model, prompts, max_new_tokens, max_num_tokens=32, config=config, progress=False)
+    got = fullcg.generate(model, prompts, max_new_tokens, max_num_tokens=STEP_TOKENS, config=config, progress=False)
     fullcg_s, start = time.perf_counter() - start, time.perf_counter()
     expected = []
     with torch.inference_mode():
