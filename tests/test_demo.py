@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fullcg.__main__ import main
+from fullcg.config import ENV_VARS
 from fullcg.integrations import smollm2
 
 
@@ -19,7 +20,9 @@ def test_the_tiny_demo_passes_and_reports_its_steps_and_split(capsys):
 
 
 @pytest.mark.skipif(smollm2.missing() is not None, reason=smollm2.missing() or "")
-def test_the_default_demo_answers_chat_prompts_like_hf_generate(capsys):
+def test_the_default_demo_answers_chat_prompts_like_hf_generate(capsys, monkeypatch):
+    for var in ENV_VARS:  # the demo's own defaults: compiler="eager" on the CPU
+        monkeypatch.delenv(var, raising=False)
     torch._dynamo.reset()
     assert main(["demo", "--max-new-tokens", "12"]) == 0
     captured = capsys.readouterr()
