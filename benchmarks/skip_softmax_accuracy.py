@@ -72,6 +72,10 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, help="default: 128 on CUDA, 32 on the CPU")
     p.add_argument("--calibrate", action="store_true", help="calibrate at the longest context, check on held-out text")
     p.add_argument("--calibrate-only", action="store_true", help="no curves: --calibrate alone")
+    p.add_argument("--targets", nargs="+", choices=("skipped", "top1", "top1-per-layer"),
+                   default=("skipped", "top1", "top1-per-layer"), help="which calibrations --calibrate runs")
+    p.add_argument("--phases", nargs="+", choices=("prefill", "decode"), default=("prefill", "decode"),
+                   help="the phases --calibrate calibrates")
     p.add_argument("--smoke", action="store_true", help="256 tokens, two factors per phase")
     p.add_argument("--out")
     args = p.parse_args()
@@ -110,13 +114,14 @@ def main() -> None:
     if args.calibrate or args.calibrate_only:
         context = max(contexts)
         held = _probe(step, config, context, count, decode_steps, held_out=True)
-        targets = [("target_skipped=0.5", {"target_skipped": 0.5}), ("min_top1=0.98", {"min_top1": 0.98}),
-                   ("min_top1=0.98 per_layer", {"min_top1": 0.98, "per_layer": True})]
-        for label, kwargs in targets:
+        targets = {"skipped": ("target_skipped=0.5", {"target_skipped": 0.5}),
+                   "top1": ("min_top1=0.98", {"min_top1": 0.98}),
+                   "top1-per-layer": ("min_top1=0.98 per_layer", {"min_top1": 0.98, "per_layer": True})}
+        for label, kwargs in (targets[t] for t in args.targets):
             t0 = time.perf_counter()
             cal = fullcg.calibrate_skip_softmax(step, smollm2.text_sequences(context, count), config=config,
-                                                decode_steps=decode_steps, **kwargs)
-            for phase in ("prefill", "decode"):
+                                                decode_steps=decode_steps, phases=args.phases, **kwargs)
+            for phase in args.phases:
                 chosen = getattr(cal, phase)
                 checked = held.measure(phase, cal.config)
                 result["calibration"].append({
