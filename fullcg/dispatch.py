@@ -28,6 +28,7 @@ compiling, or compile again (``config.debug_checks`` keeps every step on Dynamo'
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,8 @@ __all__ = ["DirectDispatch", "MISS", "observed_runner_calls"]
 
 #: What :meth:`DirectDispatch.__call__` returns for a step that must go through Dynamo.
 MISS = object()
+
+_TRAILING_ITEMS = re.compile(r"(\[[^\[\]]*\])+$")
 
 
 @dataclasses.dataclass
@@ -72,7 +75,8 @@ class DirectDispatch:
         graph just compiled (the backend's newest runner) reads."""
         read: set[int] | None = set()
         for entry in entries:
-            owner, _, attr = entry.name.rpartition(".")
+            # An item of a fact (``_state.layer_factors[0][1]``) is a read of the fact.
+            owner, _, attr = _TRAILING_ITEMS.sub("", entry.name).rpartition(".")
             if owner.endswith("._state") or owner == "_state":
                 if attr in context.STATIC_FACTS:
                     read.add(context.STATIC_FACTS.index(attr))

@@ -3,6 +3,8 @@ whenever a step is not one the learned graph was made for."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,3 +104,18 @@ def test_debug_checks_keep_every_step_on_dynamos_guards():
             with fullcg.forward_context(md, model):
                 compiled(ids, pos)
     assert dynamo.calls == 3
+
+
+def test_a_graph_reading_per_layer_skip_factors_is_learned_and_a_new_factor_goes_through_dynamo():
+    skip = fullcg.SkipSoftmaxConfig(None, None, tile_kv=8, tile_q=4, per_layer={1: (30.0, None)})
+    model, _, compiled, dynamo = _compiled(attention_impl="reference", skip_softmax=skip)
+    md, ids, pos = _step([3], [0])
+    with torch.inference_mode():
+        for _ in range(2):
+            with fullcg.forward_context(md, model):
+                compiled(ids, pos)
+        assert dynamo.calls == 1, "the per-layer factors are a static fact the route knows"
+        other = fullcg.FullCGConfig(attention_impl="reference", skip_softmax=dataclasses.replace(skip, per_layer={1: (60.0, None)}))
+        with fullcg.forward_context(md, model, config=other):
+            compiled(ids, pos)
+        assert dynamo.calls == 2, "another layer factor: another graph"
