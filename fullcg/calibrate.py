@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -107,11 +108,12 @@ class _Scores:
         self.count += targets.numel()
 
 
-#: Which probe's dense decode prefix a model's caches hold (by the model's id): a probe
+#: Which probe's dense decode prefix a model's caches hold (by the model's id; weakly, so
+#: a finished calibration frees its probe, its model and its dense results): a probe
 #: prefills again when another probe, or its own prefill phase, has written over it.
-#: Steps run outside probes are not seen: do not interleave them with a probe's decode
-#: measurements.
-_dense_prefix_holder: dict[int, SkipSoftmaxProbe] = {}
+#: Steps run outside probes, and caches allocated anew, are not seen: do neither between
+#: a probe's decode measurements.
+_dense_prefix_holder: dict[int, weakref.ref[SkipSoftmaxProbe]] = {}
 
 
 class SkipSoftmaxProbe:
@@ -156,6 +158,9 @@ class SkipSoftmaxProbe:
                 )
         self.model, self.config = model, config
         self.layer_ids = sorted({m.layer_id for m in layers})
+        #: The shortest sliding window of any layer (None: none has one): skipping stops
+        #: where ``factor / min(kv_len, window)`` reaches 1.
+        self.smallest_window = min((m.sliding_window for m in layers if m.sliding_window is not None), default=None)
         self.device, self.page_size = cache.k.device, cache.page_size
         pages = [-(-len(s) // self.page_size) for s in sequences]
         if sum(pages) > cache.num_pages:
@@ -195,10 +200,11 @@ class SkipSoftmaxProbe:
         """Logits [decode_steps, vocab] per sequence, after its dense prefix."""
         n = self.decode_steps
         starts = [len(s) - n - 1 for s in self.sequences]
-        if _dense_prefix_holder.get(id(self.model)) is not self:
+        holder = _dense_prefix_holder.get(id(self.model))
+        if holder is None or holder() is not self:
             dense = dataclasses.replace(skip, prefill_scale_factor=None, decode_scale_factor=None, per_layer=())
             self._prefill_all(dense, starts, lambda i, logits: None)
-            _dense_prefix_holder[id(self.model)] = self
+            _dense_prefix_holder[id(self.model)] = weakref.ref(self)
         out: list[list[torch.Tensor]] = [[] for _ in self.sequences]
         rows = list(range(len(self.sequences)))
         for j in range(n):
@@ -278,8 +284,10 @@ class SkipSoftmaxProbe:
 
 
 def _with(skip: SkipSoftmaxConfig, phase: Phase, factor: float | None, per_layer: dict[int, float | None] | None = None) -> SkipSoftmaxConfig:
-    """``skip`` with ``phase``'s global factor (and per-layer factors) replaced; the other
-    phase's factors are kept, per layer too."""
+    """``skip`` with ``phase``'s global factor replaced and its per-layer values dropped, or
+    (``per_layer`` given, on a config whose ``phase`` is dense, ``factor`` None) its
+    per-layer values set; the other phase's factors are kept, per layer too."""
+    assert per_layer is None or factor is None, "per-layer values go on a phase with no global factor"
     other = skip.decode_scale_factor if phase == "prefill" else skip.prefill_scale_factor
     layers = {lid: (p, d) for lid, p, d in skip.per_layer}
     for lid, f in (per_layer or {}).items():
@@ -298,8 +306,10 @@ class _Search:
 
     def __init__(self, probe: SkipSoftmaxProbe, phase: Phase, start: SkipSoftmaxConfig, history: list[SkipSoftmaxMeasurement]) -> None:
         self.probe, self.phase, self.start, self.history = probe, phase, start, history
-        # lambda = factor / kv_len reaches 1 at the shortest context: above that nothing is skipped.
-        self.highest = 0.99 * (probe.shortest if phase == "prefill" else probe.shortest - probe.decode_steps - 1)
+        # lambda = factor / min(kv_len, window) reaches 1 at the shortest context or window:
+        # above that a request (a windowed layer) skips nothing.
+        keys = probe.shortest if phase == "prefill" else probe.shortest - probe.decode_steps - 1
+        self.highest = 0.99 * min(keys, probe.smallest_window or keys)
         self.lowest = 1e-2
 
     def run(self, skip: SkipSoftmaxConfig) -> SkipSoftmaxMeasurement:
@@ -404,7 +414,7 @@ def calibrate_skip_softmax(
     For each phase in ``phases`` (``"prefill"``, ``"decode"``), the largest factor whose
     measurement is within the targets: skipping at most ``target_skipped`` (a fraction of
     tiles) and keeping top-1 agreement with dense at ``min_top1`` or above. Give either
-    or both; with both, the accuracy floor wins. The search is a geometric bisection
+    or both; with both, whichever is reached first decides. The search is a geometric bisection
     that stops within 5% of the factor, so on the calibration text the skipped fraction
     lands just under the target (on SmolLM2 within 2 points; held-out text of the same
     kind within 5, docs/configuration.md).
@@ -413,7 +423,8 @@ def calibrate_skip_softmax(
     global one (0.25x to 16x), chosen by how many tiles it skips for how much KL it adds.
     The per-layer config is kept only where it is better within the same targets: more
     skipping under ``min_top1``, or (``target_skipped`` alone) less KL at no less
-    skipping. It costs ``4 * num_layers`` more measurements per phase.
+    skipping. It costs ``4 * num_layers`` more measurements per phase, plus a
+    bisection over the price (about ten).
 
     Sequences should be as long as the contexts the model will serve: a factor skips more
     at longer contexts. Each measurement runs the model over all sequences; the model is

@@ -125,7 +125,7 @@ def _per_layer_factors(value: object) -> tuple[tuple[int, float | None, float | 
     for item in items:
         if len(item) != 3:
             raise ConfigTypeError(
-                f"{name}: each layer needs a (prefill_factor, decode_factor) pair, got {item[1:]!r} for layer {item[0]!r}"
+                f"{name}: each layer needs a layer id and a (prefill_factor, decode_factor) pair, got {item!r}"
             )
         lid, prefill, decode = item
         if isinstance(lid, bool) or not isinstance(lid, int) or lid < 0:

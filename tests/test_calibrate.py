@@ -144,3 +144,23 @@ def test_a_skipped_fraction_calibrated_on_real_text_holds_on_held_out_text():
     checked = held.measure("prefill", cal.config)
     assert abs(checked.skipped_fraction - 0.3) <= 0.05
     assert checked.top1_agreement > 0.95
+
+
+def test_a_finished_probe_is_freed_with_its_dense_results():
+    import gc
+    import weakref
+
+    probe = fullcg.SkipSoftmaxProbe(tiny(), sequences(1), config=REFERENCE, decode_steps=4)
+    probe.measure("decode", fullcg.SkipSoftmaxConfig(decode_scale_factor=50.0))
+    gone = weakref.ref(probe)
+    del probe
+    gc.collect()
+    assert gone() is None
+
+
+def test_the_search_stays_below_the_smallest_sliding_window_where_larger_factors_skip_nothing():
+    model = LlamaModel(LlamaConfig.tiny(num_layers=2, sliding_window=24), seed=0)
+    model.allocate_kv_cache(64, 16)
+    cal = fullcg.calibrate_skip_softmax(model, sequences(2), target_skipped=0.95, config=REFERENCE,
+                                        phases=("prefill",))
+    assert cal.prefill.factor <= 0.99 * 24 and cal.prefill.skipped_fraction > 0

@@ -177,7 +177,8 @@ def test_per_layer_factors_are_stored_sorted_and_override_the_global_pair():
     "per_layer, message",
     [
         ({-1: (1.0, 1.0)}, "layer ids must be integers >= 0"),
-        ({0: 5.0}, r"each layer needs a \(prefill_factor, decode_factor\) pair"),
+        ({0: 5.0}, r"each layer needs a layer id and a \(prefill_factor, decode_factor\) pair, got \(0, 5.0\)"),
+        ([()], r"each layer needs a layer id and a \(prefill_factor, decode_factor\) pair, got \(\)"),
         ({0: (float("nan"), None)}, r"per_layer\[0\] prefill factor must be a finite number"),
         ([(0, 1.0, 1.0), (0, 2.0, 2.0)], "layer 0 is given twice"),
         ("fast", "must be a dict"),
