@@ -55,7 +55,7 @@ class SkipSoftmaxMeasurement:
     """What one skip-softmax configuration did in one phase, against dense.
 
     ``factor`` is the phase's global factor (None: dense, or per-layer factors only);
-    ``layer_skipped`` maps each layer to its skipped fraction.
+    ``layer_tiles`` maps each layer that counted tiles to its (visited, skipped) tiles.
     """
 
     phase: Phase
@@ -65,10 +65,13 @@ class SkipSoftmaxMeasurement:
     dense_perplexity: float
     top1_agreement: float
     kl: float
-    layer_skipped: dict[int, float]
     config: SkipSoftmaxConfig
-    #: (visited, skipped) tiles per layer: what the fractions above are made of.
-    layer_tiles: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, repr=False)
+    layer_tiles: dict[int, tuple[int, int]] = dataclasses.field(repr=False)
+
+    @property
+    def layer_skipped(self) -> dict[int, float]:
+        """Each layer's skipped fraction of its visited tiles."""
+        return {lid: skipped / visited for lid, (visited, skipped) in self.layer_tiles.items()}
 
     def row(self) -> dict[str, object]:
         """The measurement as a flat results row (the benchmark's JSON shape)."""
@@ -274,7 +277,6 @@ class SkipSoftmaxProbe:
             dense_perplexity=math.exp(scores.dense_nll / scores.count),
             top1_agreement=scores.agree / scores.count,
             kl=scores.kl / scores.count,
-            layer_skipped={lid: skipped[lid] / v for lid, v in visited.items() if v},
             layer_tiles={lid: (v, skipped[lid]) for lid, v in visited.items() if v},
             config=skip,
         )
