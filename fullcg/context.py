@@ -195,6 +195,26 @@ def _check_entry(metadata: AttentionMetadata, facts: tuple[int | None, bool], so
         )
 
 
+#: (per-layer factors, the caches' layers) already checked: each pair warns once.
+_checked_layer_factors: set[tuple[object, frozenset[int]]] = set()
+
+
+def _warn_unknown_layers(per_layer: tuple[tuple[int, Any, Any], ...], caches: Mapping[int, KVCache], source: str) -> None:
+    """Warn (once per pair) about per-layer skip-softmax factors for layers the step's
+    model does not have: a typo there would leave the layer dense, silently."""
+    key = (per_layer, frozenset(caches))
+    if key in _checked_layer_factors:
+        return
+    _checked_layer_factors.add(key)
+    unknown = [lid for lid, _, _ in per_layer if lid not in caches]
+    if unknown:
+        warnings.warn(
+            f"fullcg: SkipSoftmaxConfig.per_layer names layers {unknown}, which {source} has no KV cache for "
+            f"(its layers: {sorted(caches)}); their factors apply only to a layer that attends with that layer_id",
+            stacklevel=4,
+        )
+
+
 @contextlib.contextmanager
 def forward_context(
     metadata: AttentionMetadata,
@@ -226,6 +246,8 @@ def forward_context(
         source=_describe(kv_caches),
     )
     _check_entry(metadata, _facts(kv_caches, ctx.kv_caches), ctx.source)
+    if ctx.config.skip_softmax.per_layer and ctx.kv_caches:
+        _warn_unknown_layers(ctx.config.skip_softmax.per_layer, ctx.kv_caches, ctx.source)
     _enable_size_oblivious_once()
     with _pushed(ctx):
         yield ctx

@@ -215,3 +215,21 @@ def test_a_dense_layer_among_skipping_ones_counts_no_tiles_in_every_graph_mode(c
     other = fullcg.SkipSoftmaxConfig(None, None, tile_kv=8, tile_q=4, per_layer={1: (40.0, None)})
     logits2, stats2 = _tiny_prefill(other, compiler, graph_mode)
     assert torch.equal(logits, logits2) and stats[1] == stats2[1]
+
+
+def test_per_layer_factors_for_a_layer_the_model_lacks_warn_once_naming_it():
+    from fullcg.models.llama import LlamaConfig, LlamaModel
+
+    model = LlamaModel(LlamaConfig.tiny(), seed=0)
+    model.allocate_kv_cache(16, 8)
+    config = fullcg.FullCGConfig(skip_softmax=fullcg.SkipSoftmaxConfig(per_layer={1: (40.0, None), 12: (40.0, None)}))
+    md = fullcg.AttentionMetadata.build([4], [0], torch.arange(2, dtype=torch.int32)[None], 8)
+    with pytest.warns(UserWarning, match=r"per_layer names layers \[12\], which LlamaModel .* has no KV cache for \(its layers: \[0, 1\]\)"):
+        with fullcg.forward_context(md, model, config=config):
+            pass
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fullcg.forward_context(md, model, config=config):
+            pass
