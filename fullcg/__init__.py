@@ -17,7 +17,8 @@ The public surface:
 - :func:`capture`: capture CUDA graphs for every capture size up front;
 - :func:`graph_mode_counts`: how compiled steps ran (full/piecewise, captured/eager);
 - :func:`generate`: offline generation with continuous batching (any fullcg model, or a
-  Hugging Face one through :mod:`fullcg.integrations.transformers`).
+  Hugging Face one through :mod:`fullcg.integrations.transformers`); its scheduler and
+  sampler are in :mod:`fullcg.engine`.
 
 Importing fullcg registers the ``torch.ops.fullcg`` ops.
 """
@@ -36,9 +37,7 @@ from fullcg.telemetry import SkipSoftmaxStats, reset_skip_softmax_stats, skip_so
 from fullcg.calibrate import (
     SkipSoftmaxCalibration, SkipSoftmaxMeasurement, SkipSoftmaxProbe, calibrate_skip_softmax,
 )
-
-# Last: the generation module uses the names above through the package.
-from fullcg.generate import generate  # noqa: E402  (binds fullcg.generate to the function)
+from fullcg.engine import generate
 
 __version__ = "0.1.0"
 

@@ -14,6 +14,7 @@ and the backend returns a :class:`fullcg.runner.StepRunner` that picks a variant
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import operator
@@ -22,10 +23,12 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 from fullcg import compile_cache
+from fullcg.compat import lazy_graph_modules, make_graph_module
+from fullcg.diagnostics import log_once
+from fullcg.frontend import device_of, note_device
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import check_call_positions, positions_argument
@@ -33,27 +36,16 @@ from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, thro
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.eager_capture import EagerCaptureModel
-from fullcg.passes import AttributesPass, BreakablePass, PassManager, SplitGraph, split_graph
+from fullcg.passes import AttributesPass, PassManager, SplitGraph, SplitPointsPass, split_graph
 from fullcg.passes.piece_key import piece_key
 from fullcg.passes.split import Piece, reads_host_plan
 from fullcg.dispatch import MISS, DirectDispatch
 from fullcg.runner import PieceCall, StepRunner, observed_runner_calls
+from fullcg.telemetry import StepCounts, model_counts
 
 __all__ = ["Backend", "CompiledModel", "compile", "fullcg_backend"]
 
 logger = logging.getLogger(__name__)
-_warned_cpu = False
-_warned_grad = False
-
-
-def _device_of(example_inputs: Sequence[Any]) -> torch.device:
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-            return t.device
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
 
 
 class PieceFallbacks(dict):
@@ -90,22 +82,22 @@ def _compile_piece(
         except FullCGError:
             raise
         except Exception as exc:
-            if _describe(exc) != _describe(error):
-                logger.warning("fullcg: %s failed with the caches on (%s), and again with them off", name, _describe(error))
+            if _error_line(exc) != _error_line(error):
+                logger.warning("fullcg: %s failed with the caches on (%s), and again with them off", name, _error_line(error))
             error = exc
         else:
             fallbacks.cache_blamed = True
             logger.warning("fullcg: %s compiled only with the caches off (%s); the cache entry is discarded",
-                           name, _describe(error))
+                           name, _error_line(error))
             return call
-    if "CantSplit" in _describe(error):
+    if "CantSplit" in _error_line(error):
         call = _retiled_piece(name, gm, example_inputs, error)
         if call is not None:
             return call
     # A compiler bug in one piece (torch 2.11's Inductor cannot tile some reductions over
     # size-oblivious token counts) must not stop the model: that piece runs as traced,
     # still inside CUDA graphs, and the split report names it.
-    fallbacks[name] = _describe(error)
+    fallbacks[name] = _error_line(error)
     logger.warning("fullcg: Inductor failed on %s (%s); it runs as traced, without Inductor", name, fallbacks[name])
     return PieceCall(name, gm)
 
@@ -133,12 +125,12 @@ def _retiled_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence
         except Exception:
             continue
         logger.warning("fullcg: Inductor could not tile %s (%s); compiled it with Inductor settings %s",
-                       name, _describe(error), settings)
+                       name, _error_line(error), settings)
         return call
     return None
 
 
-def _describe(exc: BaseException) -> str:
+def _error_line(exc: BaseException) -> str:
     """``Type: first line of the message``, as logs and the split report show an error."""
     text = str(exc)
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
@@ -342,7 +334,8 @@ def _keeps(node: torch.fx.Node) -> bool:
 
 def _graph_after_passes(gm: torch.fx.GraphModule, manager: PassManager) -> torch.fx.GraphModule:
     """A copy of ``gm`` after dead-code removal and ``manager``'s passes, whose Python code is
-    generated only if something runs or reads it (see :func:`_lazy_code`)."""
+    generated only if something runs or reads it (:func:`fullcg.compat.lazy_graph_modules`:
+    the graph after the passes is never run, its pieces are)."""
     graph = copy.deepcopy(gm.graph)
     # Dynamo leaves unused computations in the graph (a transformers model's packed-sequence
     # detection, for one). Running them again on fake inputs while pieces compile can
@@ -350,43 +343,34 @@ def _graph_after_passes(gm: torch.fx.GraphModule, manager: PassManager) -> torch
     # ints), so they go before the passes, the split and any compiler see them.
     graph.eliminate_dead_code(is_impure_node=_keeps)
     manager(graph)
-    with _lazy_code():
-        out = _make_graph_module(gm, graph)
+    with lazy_graph_modules():
+        out = make_graph_module(gm, graph)
     out.meta.update(gm.meta)
     return out
 
 
-def _lazy_code() -> Any:
-    """Graph modules made inside generate their Python code on first use, not when made.
-
-    Generating and compiling a 32-layer graph's code takes a few tenths of a second, and
-    splitting it makes a module per piece: the graph after the passes is never run (its
-    pieces are), and pieces that share a compiled artifact are never run either.
-    """
-    return _use_lazy_graph_module(True)
-
-
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig) -> StepRunner:
-    """Compile ``gm`` as pieces and return a runner over the variants ``config.graph_mode`` needs.
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig,
+                  counts: StepCounts | None = None) -> StepRunner:
+    """Compile ``gm`` as pieces and return a runner over the variants ``config.graph_mode`` needs,
+    counting its steps in ``counts`` (the compiled model's; default: counts of its own).
 
     fullcg compiles inference steps: pieces are compiled and run without autograd.
     """
-    global _warned_grad
-    if torch.is_grad_enabled() and not _warned_grad:
-        _warned_grad = True
-        logger.warning(
+    if torch.is_grad_enabled():
+        log_once(
+            "compiled with autograd", logger, logging.WARNING,
             "fullcg: the model was compiled with autograd enabled; fullcg compiles inference steps and runs "
             "them without recording gradients (wrap steps in torch.inference_mode() to silence this)"
         )
     cache = compile_cache.cache_for(config)
     with torch.no_grad():
         if cache is None:
-            return _compile_graph(gm, example_inputs, config, PieceFallbacks())
+            return _compile_graph(gm, example_inputs, config, PieceFallbacks(), counts)
         key = cache.key(gm, example_inputs, config, _passes(config).uuid())
         fallbacks = PieceFallbacks(in_cache_session=True)
         try:
             with cache.session(key):
-                runner = _compile_graph(gm, example_inputs, config, fallbacks)
+                runner = _compile_graph(gm, example_inputs, config, fallbacks, counts)
         except FullCGError:
             raise  # fullcg refused the graph or its config: no cache is involved
         except Exception as exc:
@@ -401,37 +385,34 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                 cache.discard(key)  # the next process compiles and stores it afresh
             return runner
         with compile_cache.uncached_compile():
-            return _compile_graph(gm, example_inputs, config, PieceFallbacks())
+            return _compile_graph(gm, example_inputs, config, PieceFallbacks(), counts)
 
 
 def _passes(config: FullCGConfig) -> PassManager:
     """The passes every graph goes through before it is split."""
-    return PassManager([AttributesPass(config.skip_softmax), BreakablePass(True)])
+    return PassManager([AttributesPass(config.skip_softmax), SplitPointsPass()])
 
 
 def _compile_graph(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, fallbacks: PieceFallbacks
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, fallbacks: PieceFallbacks,
+    counts: StepCounts | None,
 ) -> StepRunner:
-    global _warned_cpu
-    device = _device_of(example_inputs)
+    device = device_of(example_inputs)
     dump = GraphDump(config.dump_dir)
     dump.graph("before_passes.py", gm)
-    if device.type != "cuda" and not _warned_cpu:
-        _warned_cpu = True
-        logger.info("fullcg: running on %s: graphs are compiled but no CUDA graphs are captured (graph_mode=%s)",
-                    device.type, config.graph_mode)
+    note_device(device, config, "graphs are compiled")
 
     # One memory pool for all CUDA graphs of this compiled graph (pieces, sizes, full graphs).
     pool = torch.cuda.graph_pool_handle() if device.type == "cuda" and config.graph_mode is not GraphMode.NONE else None
 
-    # One graph serves both variants: split at breakable attention, its pieces compiled.
+    # One graph serves both variants: split at its split points (fullcg.passes.split), its pieces compiled.
     # The piecewise variant replays each piece's own CUDA graph with attention eager between
     # them; the full variant runs the same pieces and attention inside one CUDA graph
     # (captured pieces pass through when the step's variant is full).
     manager = _passes(config)
     passed = _graph_after_passes(gm, manager)
     dump.graph("after_passes.py", passed)
-    with _lazy_code():
+    with lazy_graph_modules():
         split = split_graph(passed)
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -460,7 +441,7 @@ def _compile_graph(
     stager, token_outputs = _token_layout(gm, example_inputs, config, device)
     runner = StepRunner(
         config, piecewise=piecewise_fn, full=full_fn, device=device, pool=pool, stager=stager,
-        token_outputs=token_outputs,
+        token_outputs=token_outputs, counts=counts,
         full_capturable=not any(n.op == "call_function" and reads_host_plan(n.target) for n in gm.graph.nodes),
     )
     runner.report = report
@@ -494,6 +475,8 @@ class Backend:
         self.config = base.replace(**_checked_options(options)) if options else base
         #: One runner per graph compiled through this backend (each has a ``report``).
         self.runners: list[StepRunner] = []
+        #: Steps of every graph compiled through this backend, by how they ran.
+        self.counts = model_counts()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:
         try:
@@ -518,7 +501,7 @@ class Backend:
                 "compiler='none' runs the model without torch.compile, so the fullcg compile backend cannot take it: "
                 "use fullcg.compile(model, compiler=\"none\") instead of torch.compile(model, backend=...)"
             )
-        runner = compile_graph(gm, example_inputs, config)
+        runner = compile_graph(gm, example_inputs, config, self.counts)
         self.runners.append(runner)
         return runner
 
@@ -561,6 +544,10 @@ class CompiledModel:
     def runners(self) -> list[StepRunner]:
         """One runner per graph compiled so far (each has a ``report``)."""
         return self.backend.runners
+
+    def step_counts(self) -> collections.Counter[str]:
+        """This model's steps by how they ran (keys as :func:`fullcg.graph_mode_counts`)."""
+        return self.backend.counts.snapshot()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         direct = self._direct

@@ -22,14 +22,15 @@ import inspect
 import dataclasses
 import logging
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from fullcg.config import FullCGConfig, env_config, layer_factors
+from fullcg.compat import enable_size_oblivious
+from fullcg.config import FullCGConfig, GraphMode, env_config, layer_factors
+from fullcg.diagnostics import warn_once
 from fullcg.errors import InferenceTensorError
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata
@@ -41,7 +42,6 @@ __all__ = [
     "derived_context",
     "get_forward_context",
     "has_forward_context",
-    "is_breakable",
     "num_prefix_chunks",
     "prefix_chunk_tokens",
     "skip_softmax_factors",
@@ -60,6 +60,52 @@ class CacheOwner:
     kv_cache: KVCache | None
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class StepState:
+    """What a step's attention calls work out once and share (a context lives for one step).
+
+    Every slot is filled by the first call that needs it and read by the step's later calls
+    (the other layers). The runner clears it between a full graph's warm-up and its capture:
+    buffers the warm-up made must not be baked into a graph that outlives them.
+
+    Attributes:
+        implementations: the implementation resolved per ``(head_dim, v_head_dim)``.
+        ran: implementations a composite (``auto``) ran calls on, by name: with
+            :attr:`implementations`, what replays of a captured step plan.
+        auto_choices: ``auto``'s choice per kind of call.
+        plans: per op and call shape, the launch plan later calls of compiled steps run
+            directly, with the cache fit it was made for.
+        checked_caches: ``layer_id -> KVCache`` checked to be the layer's own and to fit.
+        saved_kv: ``layer_id -> (k, v)`` saved by an eager call (a second save is refused).
+        chunk_buffers: gather and result buffers of ``merge_prefix_chunks``, per shape.
+        kernel_state: each implementation's own per-step state, by implementation name.
+        fallback_counted: the step was counted as a compiled model's fallback.
+    """
+
+    implementations: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    ran: dict[str, Any] = dataclasses.field(default_factory=dict)
+    auto_choices: dict[tuple[object, ...], Any] = dataclasses.field(default_factory=dict)
+    plans: dict[tuple[object, ...], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    checked_caches: dict[int, KVCache] = dataclasses.field(default_factory=dict)
+    saved_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    chunk_buffers: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=dict)
+    kernel_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fallback_counted: bool = False
+
+    def clear(self) -> None:
+        """Forget everything (see the class doc: before a capture)."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, dict):
+                value.clear()
+        self.fallback_counted = False
+
+    def resolved(self) -> tuple[Any, ...]:
+        """Every implementation the step's calls resolved or ran on, once each."""
+        found = (*self.implementations.values(), *self.ran.values())
+        return tuple({id(i): i for i in found}.values())
+
+
 @dataclasses.dataclass(eq=False)
 class ForwardContext:
     """What attention ops can see while a step runs.
@@ -68,26 +114,24 @@ class ForwardContext:
         metadata: the batch.
         kv_caches: ``layer_id -> KVCache`` of the model that runs.
         config: attention implementation, skip-softmax and debug settings of the step.
-        breakable: attention runs as breakable ops (between pieces of a piecewise graph).
         source: what the caches came from (a model's class name), for error messages.
         compiled: the step runs a compiled graph; its attention calls skip the checks
             that tracing already did (unless ``config.debug_checks``).
-        variant: ``"full"`` or ``"piecewise"`` for a compiled step; None otherwise.
+        variant: :attr:`GraphMode.FULL` or :attr:`GraphMode.PIECEWISE` for a step a runner
+            runs; None otherwise.
         padded_size: the capture size a captured step replays (the dispatch key with
             ``variant``); None when the step runs uncaptured.
-        memo: facts derived once per step and shared by its attention calls (the
-            implementation, launch arguments); a context lives for one step.
+        step: what the step's attention calls work out once and share.
     """
 
     metadata: AttentionMetadata
     kv_caches: Mapping[int, KVCache]
     config: FullCGConfig
-    breakable: bool
     source: str = ""
     compiled: bool = False
-    variant: str | None = None
+    variant: GraphMode | None = None
     padded_size: int | None = None
-    memo: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    step: StepState = dataclasses.field(default_factory=StepState)
 
 
 class _ThreadState(threading.local):
@@ -95,7 +139,6 @@ class _ThreadState(threading.local):
 
     def __init__(self) -> None:
         self.stack: list[ForwardContext] = []
-        self.breakable = False
         self.num_prefix_chunks = 0
         self.prefix_chunk_tokens = 0
         self.prefill_factor: float | None = None
@@ -105,14 +148,13 @@ class _ThreadState(threading.local):
     def publish(self) -> None:
         if self.stack:
             ctx = self.stack[-1]
-            self.breakable = ctx.breakable
             self.num_prefix_chunks = ctx.metadata.num_prefix_chunks
             self.prefix_chunk_tokens = ctx.metadata.prefix_chunk_tokens
             self.prefill_factor = ctx.config.skip_softmax.prefill_scale_factor
             self.decode_factor = ctx.config.skip_softmax.decode_scale_factor
             self.layer_factors = ctx.config.skip_softmax.per_layer
         else:
-            self.breakable, self.num_prefix_chunks, self.prefix_chunk_tokens = False, 0, 0
+            self.num_prefix_chunks, self.prefix_chunk_tokens = 0, 0
             self.prefill_factor = self.decode_factor = None
             self.layer_factors = ()
 
@@ -126,7 +168,9 @@ _state = _ThreadState()
 _module_caches: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, KVCache]] = weakref.WeakKeyDictionary()
 # Facts of a model's caches that every step's entry checks, computed with its cache map.
 _module_facts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int | None, bool]] = weakref.WeakKeyDictionary()
-_warned_grad = False
+
+#: The key of the warning about steps run with autograd enabled (see :mod:`fullcg.diagnostics`).
+GRAD_WARNING = "step with autograd"
 
 
 def forget_kv_caches() -> None:
@@ -177,7 +221,6 @@ def _collect_kv_caches(source: object) -> dict[int, KVCache]:
 
 def _check_entry(metadata: AttentionMetadata, facts: tuple[int | None, bool], source: str) -> None:
     """Checks of a step against its caches, once at entry (never per attention call)."""
-    global _warned_grad
     min_pages, inference = facts
     if min_pages is not None:
         metadata.verified(min_pages)  # page ids against the real caches (one comparison after build)
@@ -186,29 +229,22 @@ def _check_entry(metadata: AttentionMetadata, facts: tuple[int | None, bool], so
             f"the KV caches of {source} were allocated under torch.inference_mode and can only be written inside "
             "it: run steps under `with torch.inference_mode():`, or allocate the caches outside inference mode"
         )
-    if not _warned_grad and torch.is_grad_enabled():
-        _warned_grad = True
-        warnings.warn(
+    if torch.is_grad_enabled():
+        warn_once(
+            GRAD_WARNING,
             "fullcg: a step runs with autograd enabled; fullcg steps are inference steps: the KV cache never "
             "records autograd history (wrap steps in torch.inference_mode() or torch.no_grad() to silence this)",
             stacklevel=4,
         )
 
 
-#: (per-layer factors, the caches' layers) already checked: each pair warns once.
-_checked_layer_factors: set[tuple[object, frozenset[int]]] = set()
-
-
 def _warn_unknown_layers(per_layer: tuple[tuple[int, Any, Any], ...], caches: Mapping[int, KVCache], source: str) -> None:
-    """Warn (once per pair) about per-layer skip-softmax factors for layers the step's
-    model does not have: a typo there would leave the layer dense, silently."""
-    key = (per_layer, frozenset(caches))
-    if key in _checked_layer_factors:
-        return
-    _checked_layer_factors.add(key)
+    """Warn (once per pair of factors and layers) about per-layer skip-softmax factors for
+    layers the step's model does not have: a typo there would leave the layer dense, silently."""
     unknown = [lid for lid, _, _ in per_layer if lid not in caches]
     if unknown:
-        warnings.warn(
+        warn_once(
+            ("per_layer", per_layer, frozenset(caches)),
             f"fullcg: SkipSoftmaxConfig.per_layer names layers {unknown}, which {source} has no KV cache for "
             f"(its layers: {sorted(caches)}); their factors apply only to a layer that attends with that layer_id",
             stacklevel=4,
@@ -221,7 +257,6 @@ def forward_context(
     kv_caches: torch.nn.Module | Mapping[int, KVCache] | None = None,
     *,
     config: FullCGConfig | None = None,
-    breakable: bool = False,
 ) -> Iterator[ForwardContext]:
     """Make ``metadata`` (and the KV caches) visible to attention ops for one step.
 
@@ -234,7 +269,9 @@ def forward_context(
             the owned caches' addresses; a mapping could not switch them).
         config: attention implementation and skip-softmax settings for this step;
             defaults to :meth:`FullCGConfig.from_env`.
-        breakable: run attention as breakable ops (split points of a piecewise graph).
+
+    Where a step is split into pieces is not the caller's choice: a compiled model's runner
+    decides per step (see :mod:`fullcg.runner`).
     """
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"forward_context needs a fullcg.AttentionMetadata, got {type(metadata).__name__}")
@@ -242,18 +279,18 @@ def forward_context(
         metadata=metadata,
         kv_caches=_collect_kv_caches(kv_caches),
         config=config if config is not None else env_config(),
-        breakable=bool(breakable),
-        source=_describe(kv_caches),
+        source=_source_name(kv_caches),
     )
     _check_entry(metadata, _facts(kv_caches, ctx.kv_caches), ctx.source)
     if ctx.config.skip_softmax.per_layer and ctx.kv_caches:
         _warn_unknown_layers(ctx.config.skip_softmax.per_layer, ctx.kv_caches, ctx.source)
-    _enable_size_oblivious_once()
+    enable_size_oblivious()
     with _pushed(ctx):
         yield ctx
 
 
-def _describe(source: object) -> str:
+def _source_name(source: object) -> str:
+    """What a step's caches came from, as error messages name it."""
     if isinstance(source, torch.nn.Module):
         return f"{type(source).__name__} (id {id(source):#x})"
     return "a mapping of KV caches" if source is not None else "no KV caches"
@@ -271,48 +308,26 @@ def _pushed(ctx: ForwardContext) -> Iterator[ForwardContext]:
         state.publish()
 
 
-_size_oblivious_enabled = False
-
-
-def _enable_size_oblivious_once() -> None:
-    """Let Dynamo treat token counts of 0 and 1 like any other, for this process.
-
-    Without it Dynamo specializes a batch of one token (every decode step of a single
-    request) into a graph of its own: a recompile the first time such a batch comes.
-    Set once rather than per step: patching torch's config costs tens of microseconds,
-    too much for the per-step path.
-    """
-    global _size_oblivious_enabled
-    if _size_oblivious_enabled:
-        return
-    _size_oblivious_enabled = True
-    import torch.fx.experimental._config as fx_config
-
-    if hasattr(fx_config, "backed_size_oblivious") and not fx_config.backed_size_oblivious:
-        fx_config.backed_size_oblivious = True
-        logger.info("fullcg: enabled torch.fx.experimental._config.backed_size_oblivious (one graph for all token counts)")
-
-
 def derived_context(
     ctx: ForwardContext,
     *,
     config: FullCGConfig,
-    variant: str,
+    variant: GraphMode,
     padded_size: int | None,
     metadata: AttentionMetadata | None = None,
 ) -> contextlib.AbstractContextManager[ForwardContext]:
-    """How a compiled step runs its graph: ``ctx`` with the backend's config, the dispatch
+    """How a runner runs its graph for a step: ``ctx`` with the runner's config, the dispatch
     key (``variant``, ``padded_size``) and, for full-graph replays, the metadata in static
-    buffers. Attention is breakable exactly when the variant is piecewise."""
+    buffers."""
     derived = ForwardContext(
-        metadata if metadata is not None else ctx.metadata, ctx.kv_caches, config, variant == "piecewise",
+        metadata if metadata is not None else ctx.metadata, ctx.kv_caches, config,
         source=ctx.source, compiled=True, variant=variant, padded_size=padded_size,
     )
     return _pushed(derived)
 
 
 #: The static facts traced code may read, in the order :func:`static_facts` gives them.
-STATIC_FACTS = ("breakable", "num_prefix_chunks", "prefix_chunk_tokens", "prefill_factor", "decode_factor",
+STATIC_FACTS = ("num_prefix_chunks", "prefix_chunk_tokens", "prefill_factor", "decode_factor",
                 "layer_factors")
 
 
@@ -320,7 +335,7 @@ def static_facts() -> tuple[object, ...]:
     """The static facts of this thread's innermost context (named by :data:`STATIC_FACTS`):
     what traced code may read, so what Dynamo guards on when it does."""
     state = _state
-    return (state.breakable, state.num_prefix_chunks, state.prefix_chunk_tokens, state.prefill_factor,
+    return (state.num_prefix_chunks, state.prefix_chunk_tokens, state.prefill_factor,
             state.decode_factor, state.layer_factors)
 
 
@@ -395,14 +410,9 @@ def current_piece_size() -> int | None:
     """The capture size each piece of the current step replays its own graph at; None
     outside a captured piecewise step (a full-graph step captures its pieces whole)."""
     stack = _state.stack
-    if not stack or stack[-1].variant != "piecewise":
+    if not stack or stack[-1].variant != GraphMode.PIECEWISE:
         return None
     return stack[-1].padded_size
-
-
-def is_breakable() -> bool:
-    """Whether attention in the current step must use the breakable ops (piecewise graphs)."""
-    return _state.breakable
 
 
 def num_prefix_chunks() -> int:

@@ -6,11 +6,11 @@ used (or up front with :func:`fullcg.capture`), so startup is capture time. It o
 the compiled path offers, through the same :class:`fullcg.runner.StepRunner` (policy,
 padding, counters, capture up front):
 
-- *full*: the whole step captured in one CUDA graph, attention inside (non-breakable
-  ops), exactly as for a compiled model;
+- *full*: the whole step captured in one CUDA graph, attention inside, exactly as for a
+  compiled model;
 - *piecewise*: a :class:`SegmentedGraph`, SGLang's breakable CUDA graph. The model runs
   eagerly under capture; a :class:`~torch.utils._python_dispatch.TorchDispatchMode` ends
-  the current graph *segment* at every split op (breakable attention, and the ops that
+  the current graph *segment* at every split point (every attention call, and the ops that
   read the step's prefix-chunk plan on the host: :func:`fullcg.passes.split.is_split_target`),
   runs the op eagerly and records it, and begins the next segment in the same memory
   pool. A replay is: segment, op, segment, op, ..., segment. The ops run eagerly between
@@ -26,6 +26,7 @@ the split ops may depend on the batch. The capture primitive is a seam (:class:`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -43,15 +44,15 @@ from fullcg.context import (
     positions_argument, prefix_chunk_tokens,
 )
 from fullcg.errors import InvalidConfigError
+from fullcg.frontend import device_of, note_device
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.passes.split import is_split_target, reads_host_plan
 from fullcg.runner import StepRunner
-from fullcg.telemetry import counts_discarded
+from fullcg.telemetry import counts_discarded, model_counts
 
 __all__ = ["Graphs", "CudaGraphs", "SegmentedGraph", "EagerCaptureModel", "launches_nothing"]
 
 logger = logging.getLogger(__name__)
-_warned_cpu = False
 #: Runners (graph sets) one model may have, as Dynamo's recompile limit bounds its graphs.
 _MAX_RUNNERS = 8
 
@@ -337,7 +338,7 @@ class SegmentedGraph:
             splitter.abort()
             if hasattr(exc, "add_note"):
                 exc.add_note(
-                    f"fullcg: while capturing {self.name} for {size} tokens without a compiler: outside its breakable "
+                    f"fullcg: while capturing {self.name} for {size} tokens without a compiler: outside its attention "
                     "ops the model must launch the same kernels for every step of a size, with no host reads of tensor "
                     "values (.item(), .tolist(), printing); use graph_mode='none' to run it uncaptured"
                 )
@@ -371,7 +372,7 @@ class _ModelCall:
         # checked them: those are checked on every call, as eager calls are.
         if self._checked and ctx.padded_size is not None:
             return self._call(args)
-        with derived_context(ctx, config=ctx.config.replace(debug_checks=True), variant=ctx.variant or "full",
+        with derived_context(ctx, config=ctx.config.replace(debug_checks=True), variant=ctx.variant or GraphMode.FULL,
                              padded_size=ctx.padded_size, metadata=ctx.metadata):
             out = self._call(args)
         self._checked = True
@@ -414,7 +415,7 @@ class _Probe:
     token_outputs: tuple[bool, ...]
 
 
-def _probe(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext, config: FullCGConfig, variant: str,
+def _probe(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext, config: FullCGConfig, variant: GraphMode,
            device: torch.device) -> _Probe:
     """Run the model on stand-in batches (they write nothing to the KV cache) to learn what
     tracing tells the compiled path: its token outputs, and its prefix-chunk ops."""
@@ -422,7 +423,7 @@ def _probe(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext, config: F
         return _probe_stand_ins(call, args, ctx, config, variant, device)
 
 
-def _probe_stand_ins(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext, config: FullCGConfig, variant: str,
+def _probe_stand_ins(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext, config: FullCGConfig, variant: GraphMode,
                      device: torch.device) -> _Probe:
     page_size = next(iter(ctx.kv_caches.values())).page_size if ctx.kv_caches else 16
     watch = _PlanWatch()
@@ -466,13 +467,6 @@ def _arg_key(index: int, value: Any) -> Hashable:
     return value
 
 
-def _device_of(args: Sequence[Any]) -> torch.device:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.device
-    return torch.device("cpu")
-
-
 def _stager(args: Sequence[Any], config: FullCGConfig) -> cudagraph.InputStager | None:
     """Persistent zero buffers of the largest capture size for every tensor argument
     (dimension 0 is the token count), as the compiled path makes for its token inputs."""
@@ -491,7 +485,7 @@ def _report(config: FullCGConfig, device: torch.device, probe: _Probe | None, na
         f"model: {name}",
         f"graph mode: {config.graph_mode}",
         f"device: {device}",
-        "compiler: none (the model runs eagerly; captured per size, in segments broken at breakable ops)",
+        "compiler: none (the model runs eagerly; captured per size, in segments broken at split points)",
         f"attention implementation: {config.attention_impl}",
         f"capture sizes: {list(config.sizes_to_capture)}",
     ]
@@ -528,12 +522,18 @@ class EagerCaptureModel:
         self.config = config
         self._graphs = graphs
         self._runners: dict[Hashable, StepRunner] = {}
+        #: Steps of this model (all its runners), by how they ran.
+        self.counts = model_counts()
         self._positions = positions_argument(model) if config.debug_checks else None
 
     @property
     def runners(self) -> list[StepRunner]:
         """One runner per argument layout and set of KV caches seen so far (each has a ``report``)."""
         return list(self._runners.values())
+
+    def step_counts(self) -> collections.Counter[str]:
+        """This model's steps by how they ran (keys as :func:`fullcg.graph_mode_counts`)."""
+        return self.counts.snapshot()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.debug_checks:
@@ -563,9 +563,8 @@ class EagerCaptureModel:
         return runner(*args)
 
     def _build(self, args: tuple[Any, ...], names: tuple[str, ...], ctx: ForwardContext) -> StepRunner:
-        global _warned_cpu
         config = self.config
-        device = _device_of(args)
+        device = device_of(args)
         name = type(self.model).__name__
         graphs: Graphs | None = None
         if config.graph_mode is not GraphMode.NONE:
@@ -573,10 +572,8 @@ class EagerCaptureModel:
                 graphs = self._graphs(device)
             elif device.type == "cuda":
                 graphs = CudaGraphs(device)
-        if graphs is None and device.type != "cuda" and not _warned_cpu:
-            _warned_cpu = True
-            logger.info("fullcg: running on %s: the model runs eagerly and no CUDA graphs are captured (graph_mode=%s)",
-                        device.type, config.graph_mode)
+        if graphs is None:
+            note_device(device, config, "the model runs eagerly")
         positional = len(args) - len(names)
         segmented: SegmentedGraph | None = None
         piecewise: Callable[..., Any] | None = None
@@ -592,14 +589,14 @@ class EagerCaptureModel:
         # policy that runs full graphs when they can be captured.
         if graphs is not None or (piecewise is not None and full is not None):
             probe = _probe(_ModelCall(self.model, positional, names), args, ctx, config,
-                           "full" if full is not None else "piecewise", device)
+                           GraphMode.FULL if full is not None else GraphMode.PIECEWISE, device)
             if segmented is not None:
                 segmented.per_chunk_plan = probe.indexes_chunks
         stager = _stager(args, config) if graphs is not None else None
         runner = StepRunner(
             config, piecewise=piecewise, full=full, device=device, pool=graphs.pool if graphs is not None else None,
             stager=stager, token_outputs=probe.token_outputs if probe is not None else None,
-            full_capturable=probe is None or not probe.reads_plan,
+            full_capturable=probe is None or not probe.reads_plan, counts=self.counts,
         )
         runner.report = _report(config, device, probe, name)
         logger.info("fullcg: %s runs without a compiler (graph mode %s on %s%s)", name, config.graph_mode, device,

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from fullcg.errors import KVCacheError
+
+if TYPE_CHECKING:
+    from fullcg.telemetry import StepCounts
 
 __all__ = ["KVCache"]
 
@@ -31,8 +35,10 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     uid: int = dataclasses.field(init=False, repr=False)
-    #: A compiled model's step ran over this cache (an eager step over it is then a fallback).
-    compiled: bool = dataclasses.field(init=False, repr=False, default=False)
+    #: The step counters of the compiled model whose runner stepped over this cache, if
+    #: any: a step over it outside that runner (Dynamo running the model eagerly) is
+    #: counted there as a fallback. Set by the runner, read by the attention ops.
+    compiled_counts: StepCounts | None = dataclasses.field(init=False, repr=False, default=None)
     #: Made under ``torch.inference_mode``: it can only be written inside it.
     is_inference: bool = dataclasses.field(init=False, repr=False)
     #: What the attention ops last checked this cache against (heads, dims, dtype, device,

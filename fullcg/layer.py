@@ -231,7 +231,10 @@ class Attention(nn.Module, CacheOwner):
             )
         out = torch.empty((q3.shape[0], self.num_heads, self.v_head_dim), dtype=q3.dtype, device=q3.device)
         prefill_factor, decode_factor = context.skip_softmax_factors(self.layer_id)
-        op = ATTENTION_OPS[(context.is_breakable(), bool(return_lse) or sinks is not None)]
+        # The plain op, whatever the step: the runner that runs the step decides where it is
+        # split (the compile backend makes every attention node a split point; capture
+        # without a compiler splits at attention calls while it captures piecewise).
+        op = ATTENTION_OPS[(False, bool(return_lse) or sinks is not None)]
         lse = op(
             q3, k3, v3, out, self.layer_id, key_value_num_tokens, prefill_factor, decode_factor, scale,
             use_kv_cache, causal, prefix_chunk, use_kv_cache if save_kv_cache is None else save_kv_cache,

@@ -2,7 +2,7 @@
 
 One batch cannot show that a new request was handed a page that another, still running
 request keeps its prefix in: both page tables look valid on their own. Engines own page
-allocation; :class:`PageOwnership` lets them (or :class:`fullcg.generate.BatchScheduler`
+allocation; :class:`PageOwnership` lets them (or :class:`fullcg.engine.BatchScheduler`
 with ``check_page_ownership=True``) record who owns each page and check every step
 against it before the step writes anything.
 """

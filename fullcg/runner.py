@@ -7,8 +7,12 @@ one by the graph mode's policy (:class:`fullcg.config.GraphMode`) and the batch,
 CUDA runs it as CUDA graphs when the batch fits a capture size (see
 :mod:`fullcg.cudagraph`). The variant and the padded size are the step's *dispatch key*:
 they travel in the forward context the graph runs in, where captured pieces read them.
-Every step is counted by how it ran, so a mode is never changed silently:
+Every step is counted by how it ran, so a mode is never changed silently: in the
+compiled model's own :class:`fullcg.telemetry.StepCounts`, which add up to
 :func:`graph_mode_counts`.
+
+Whether a step's attention runs between pieces or inside one graph follows from the
+variant alone (:mod:`fullcg.passes.split` defines the split points).
 """
 
 from __future__ import annotations
@@ -23,11 +27,9 @@ import torch
 from fullcg import cudagraph
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import ForwardContext, derived_context, get_forward_context
-from fullcg.ops.attention import step_implementations
+from fullcg.frontend import progress_bar
 from fullcg.ops.impl import AttentionImpl, resolve_implementation
-from fullcg.telemetry import count_step as _count
-from fullcg.telemetry import counts_discarded
-from fullcg.telemetry import graph_mode_counts, reset_graph_mode_counts
+from fullcg.telemetry import StepCounts, counts_discarded, graph_mode_counts, model_counts, reset_graph_mode_counts
 
 __all__ = [
     "StepRunner", "PieceCall", "observed_runner_calls", "graph_mode_counts", "reset_graph_mode_counts",
@@ -114,6 +116,7 @@ class StepRunner:
         stager: cudagraph.InputStager | None = None,
         token_outputs: tuple[bool, ...] | None = None,
         full_capturable: bool = True,
+        counts: StepCounts | None = None,
     ) -> None:
         if piecewise is None and full is None:
             raise ValueError("a StepRunner needs a piecewise or a full graph")
@@ -125,6 +128,8 @@ class StepRunner:
         self.stager = stager
         self.token_outputs = token_outputs
         self.full_capturable = full_capturable
+        #: The compiled model's step counts (shared by its runners).
+        self.counts = counts if counts is not None else model_counts()
         self.sizes = stager.sizes if stager is not None else config.sizes_to_capture
         self.captures = pool is not None and stager is not None and bool(self.sizes)
         self.full_graphs: dict[tuple[int, bool], cudagraph.Captured] = {}
@@ -154,19 +159,20 @@ class StepRunner:
                                    "CUDA graph; full steps run uncaptured (use attention_impl='triton' or 'flashinfer')")
         return self._full_ok
 
-    def choose(self, decode_only: bool, tokens: int) -> str:
-        """``"full"`` or ``"piecewise"`` for a step of ``tokens`` tokens (padded to its capture
-        size when it has one) of the given batch kind (see :class:`GraphMode`)."""
+    def choose(self, decode_only: bool, tokens: int) -> GraphMode:
+        """:attr:`GraphMode.FULL` or :attr:`GraphMode.PIECEWISE` for a step of ``tokens``
+        tokens (padded to its capture size when it has one) of the given batch kind."""
+        full, piecewise = GraphMode.FULL, GraphMode.PIECEWISE
         if self.piecewise is None:
-            return "full"
+            return full
         if self.full is None:
-            return "piecewise"
+            return piecewise
         if self.config.graph_mode is GraphMode.AUTO:
             if not self.full_capture_ok():
-                return "piecewise"
+                return piecewise
             limit = self.config.auto_full_max_tokens
-            return "full" if decode_only or limit is None or tokens <= limit else "piecewise"
-        return "full" if decode_only else "piecewise"
+            return full if decode_only or limit is None or tokens <= limit else piecewise
+        return full if decode_only else piecewise
 
     # ------------------------------------------------------------------ the step
 
@@ -178,48 +184,58 @@ class StepRunner:
         return out
 
     def _step(self, args: tuple[Any, ...]) -> Any:
-        if self.on_first_call is not None:
-            hook, self.on_first_call = self.on_first_call, None
-            hook()
         ctx = get_forward_context()
-        first_call, self._first_call = self._first_call, False
-        if first_call:
-            # The caches of a compiled model: an eager step over them is a fallback (see telemetry).
-            for cache in ctx.kv_caches.values():
-                cache.compiled = True
-        if self.captures and (_take_capture_request() or (self.config.capture_on_compile and first_call)):
+        if self._first_call:
+            self._first_step(args, ctx)
+        elif self.captures and _take_capture_request():
             self.capture_all(args, ctx)
-        n = self.stager.num_tokens(args) if self.captures else None
-        size = cudagraph.padded_size(n, self.sizes) if n is not None else None
-        decode_only = ctx.metadata.is_decode_only
-        variant = self.choose(decode_only, size or n or ctx.metadata.num_tokens)
-        if size is not None and variant == "full":
-            if not self.full_capture_ok():
-                size = None
-            elif not self._static(size, ctx).fits(ctx.metadata):
-                # Requests longer than the static page table: piecewise pieces need none.
-                if self.piecewise is not None:
-                    variant = "piecewise"
-                else:
-                    size = None
+        variant, n, size = self._dispatch_key(args, ctx)
         if size is None:
-            _count(f"{variant}:eager")
-            graph = self.full if variant == "full" else self.piecewise
+            self.counts.add(f"{variant.value}:eager")
+            graph = self.full if variant is GraphMode.FULL else self.piecewise
             with derived_context(ctx, config=self.config, variant=variant, padded_size=None), torch.no_grad():
                 return graph(*args)
-        _count(f"{variant}:captured")
+        self.counts.add(f"{variant.value}:captured")
         # Inference mode throughout: graph outputs made while capturing under it are updated
         # in place by eager split points on later steps, which only inference mode allows.
         with torch.inference_mode():
             staged = self.stager.stage(args, n, size)
-            if variant == "full":
+            if variant is GraphMode.FULL:
                 out = self._replay_full(ctx, staged, size)
             else:
                 out = self._run_piecewise(ctx, staged, size)
         return _slice_tokens(out, self.token_outputs, n)
 
+    def _first_step(self, args: tuple[Any, ...], ctx: ForwardContext) -> None:
+        self._first_call = False
+        if self.on_first_call is not None:
+            hook, self.on_first_call = self.on_first_call, None
+            hook()
+        # The caches of a compiled model: an eager step over them is its fallback (see telemetry).
+        for cache in ctx.kv_caches.values():
+            cache.compiled_counts = self.counts
+        if self.captures and (_take_capture_request() or self.config.capture_on_compile):
+            self.capture_all(args, ctx)
+
+    def _dispatch_key(self, args: tuple[Any, ...], ctx: ForwardContext) -> tuple[GraphMode, int | None, int | None]:
+        """(variant, real tokens, capture size) of the step; the size is None when the step
+        runs uncaptured."""
+        n = self.stager.num_tokens(args) if self.captures else None
+        size = cudagraph.padded_size(n, self.sizes) if n is not None else None
+        variant = self.choose(ctx.metadata.is_decode_only, size or n or ctx.metadata.num_tokens)
+        if size is not None and variant is GraphMode.FULL:
+            if not self.full_capture_ok():
+                size = None
+            elif not self._static(size, ctx).fits(ctx.metadata):
+                # Requests longer than the static page table: piecewise pieces need none.
+                if self.piecewise is not None:
+                    variant = GraphMode.PIECEWISE
+                else:
+                    size = None
+        return variant, n, size
+
     def _run_piecewise(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
-        with derived_context(ctx, config=self.config, variant="piecewise", padded_size=size):
+        with derived_context(ctx, config=self.config, variant=GraphMode.PIECEWISE, padded_size=size):
             return self.piecewise(*staged)
 
     def _static(self, size: int, ctx: ForwardContext) -> cudagraph.StaticMetadata:
@@ -236,15 +252,15 @@ class StepRunner:
     def _replay_full(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
         md = self._static(size, ctx).fill(ctx.metadata)
         key = (size, ctx.metadata.is_decode_only)
-        with derived_context(ctx, config=self.config, variant="full", padded_size=size, metadata=md) as static_ctx:
+        with derived_context(ctx, config=self.config, variant=GraphMode.FULL, padded_size=size, metadata=md) as static_ctx:
             entry = self.full_graphs.get(key)
             if entry is None:
                 entry = self.full_graphs[key] = cudagraph.capture_graph(
-                    self.full, staged, self.device, self.pool, before_capture=static_ctx.memo.clear
+                    self.full, staged, self.device, self.pool, before_capture=static_ctx.step.clear
                 )
                 # The implementations the captured attention calls resolved (per head dims):
                 # their host-side plans are refilled before every replay.
-                self._planners[key] = step_implementations(static_ctx)
+                self._planners[key] = static_ctx.step.resolved()
             for impl in self._planners[key]:
                 impl.plan(static_ctx)
             entry.graph.replay()
@@ -258,59 +274,35 @@ class StepRunner:
         """
         page_size = next(iter(ctx.kv_caches.values())).page_size if ctx.kv_caches else 16
         jobs = self.capture_jobs()
-        bar = _progress(len(jobs), "fullcg: capturing CUDA graphs")
+        bar = progress_bar(len(jobs), "fullcg: capturing CUDA graphs", "graph")
         with counts_discarded():  # stand-in batches: not steps the counters report
             self._capture(jobs, args, ctx, page_size, bar)
         bar(0, done=True)
 
-    def capture_jobs(self) -> list[tuple[str, int, bool]]:
+    def capture_jobs(self) -> list[tuple[GraphMode, int, bool]]:
         """``(variant, size, decode_only)`` for every graph :meth:`capture_all` captures,
         largest size first. Pieces serve both batch kinds (``decode_only`` False)."""
         full_ok = self.full_capture_ok()
         jobs = []
         for size in sorted(self.sizes, reverse=True):
             variants = {decode_only: self.choose(decode_only, size) for decode_only in (True, False)}
-            jobs += [("full", size, decode_only) for decode_only, v in variants.items() if v == "full" and full_ok]
-            if "piecewise" in variants.values():
-                jobs.append(("piecewise", size, False))
+            jobs += [(v, size, decode_only) for decode_only, v in variants.items() if v is GraphMode.FULL and full_ok]
+            if GraphMode.PIECEWISE in variants.values():
+                jobs.append((GraphMode.PIECEWISE, size, False))
         return jobs
 
-    def _capture(self, jobs: list[tuple[str, int, bool]], args: tuple[Any, ...], ctx: ForwardContext,
+    def _capture(self, jobs: list[tuple[GraphMode, int, bool]], args: tuple[Any, ...], ctx: ForwardContext,
                  page_size: int, bar: Callable[..., None]) -> None:
         for variant, size, decode_only in jobs:
             md = cudagraph.dummy_metadata(size, decode_only, page_size, self.device)
             staged = self.stager.dummy(args, size)
             with derived_context(ctx, config=self.config, variant=variant, padded_size=size, metadata=md) as dummy, \
                     torch.inference_mode():
-                if variant == "full":
+                if variant is GraphMode.FULL:
                     self._replay_full(dummy, staged, size)
                 else:
                     self._run_piecewise(dummy, staged, size)
             bar(1)
-
-
-def _progress(total: int, label: str) -> Callable[..., None]:
-    """A progress bar (tqdm when installed, else log lines every 10%)."""
-    try:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=label, unit="graph")
-
-        def update(k: int, done: bool = False) -> None:
-            bar.update(k)
-            if done:
-                bar.close()
-
-        return update
-    except ImportError:
-        state = {"n": 0}
-
-        def update(k: int, done: bool = False) -> None:
-            state["n"] += k
-            if done or state["n"] % max(1, total // 10) == 0:
-                logger.info("%s: %d/%d", label, state["n"], total)
-
-        return update
 
 
 def capture(compiled: Callable[..., Any], metadata: Any, kv_caches: Any, *inputs: Any) -> Any:

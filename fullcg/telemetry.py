@@ -1,10 +1,11 @@
 """Counters of what ran: steps by graph path, and skip-softmax tiles visited and skipped.
 
-Steps: :func:`graph_mode_counts` counts every step of a compiled model by how it ran
-(``full``/``piecewise`` + ``:captured`` or ``:eager``), and ``fallback`` for steps that
-ran a compiled model's layers outside fullcg (Dynamo running the frame eagerly, for
-example past its recompile limit), so no step leaves fullcg unseen. Counts are
-process-wide, updated under a lock.
+Steps: every compiled model has its own :class:`StepCounts` (``compiled.step_counts()``),
+counting each of its steps by how it ran (``full``/``piecewise`` + ``:captured`` or
+``:eager``), and ``fallback`` for steps that ran its layers outside fullcg (Dynamo running
+the frame eagerly, for example past its recompile limit), so no step leaves fullcg
+unseen. :func:`graph_mode_counts` is the process's total: every model's counts added up.
+Counts are updated under a lock.
 
 Skip-softmax: tiles visited and skipped, per layer and per kind of request.
 
@@ -22,53 +23,88 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
 
+from fullcg.diagnostics import log_once
+
 __all__ = [
-    "SkipSoftmaxStats", "skip_softmax_stats", "reset_skip_softmax_stats", "counters", "counts_discarded",
-    "graph_mode_counts", "reset_graph_mode_counts", "count_step", "count_fallback", "count_unmeasured",
+    "SkipSoftmaxStats", "StepCounts", "skip_softmax_stats", "reset_skip_softmax_stats", "counters", "counts_discarded",
+    "graph_mode_counts", "reset_graph_mode_counts", "count_fallback", "count_unmeasured",
 ]
 
 logger = logging.getLogger(__name__)
 
-_steps: collections.Counter[str] = collections.Counter()
 _steps_lock = threading.Lock()
-_warned_fallback = False
+
+
+class StepCounts:
+    """Steps of one compiled model by how they ran (see the module doc); each count is
+    added to the process's total (:func:`graph_mode_counts`) as well."""
+
+    def __init__(self, total: StepCounts | None = None) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._total = total
+
+    def add(self, key: str) -> None:
+        """Count one step under ``key``."""
+        with _steps_lock:
+            self._counts[key] += 1
+            if self._total is not None:
+                self._total._counts[key] += 1
+
+    def snapshot(self) -> collections.Counter[str]:
+        """The counts so far (a copy)."""
+        with _steps_lock:
+            return collections.Counter(self._counts)
+
+    def reset(self) -> None:
+        with _steps_lock:
+            self._counts.clear()
+
+
+#: The process's total over every model's counts (models since freed included).
+_process_total = StepCounts()
+#: Every model's counts, for :func:`reset_graph_mode_counts` (a registry that says so).
+_model_counts: weakref.WeakSet[StepCounts] = weakref.WeakSet()
+
+
+def model_counts() -> StepCounts:
+    """New counts for one compiled model, adding up into the process's total."""
+    counts = StepCounts(_process_total)
+    _model_counts.add(counts)
+    return counts
 
 
 def graph_mode_counts() -> collections.Counter[str]:
-    """Steps by how they ran: ``full``/``piecewise`` + ``:captured`` (CUDA graphs) or
-    ``:eager``, and ``fallback`` (a compiled model's step that ran outside fullcg)."""
-    with _steps_lock:
-        return collections.Counter(_steps)
+    """Steps by how they ran, over every compiled model of the process: ``full``/``piecewise``
+    + ``:captured`` (CUDA graphs) or ``:eager``, and ``fallback`` (a compiled model's step
+    that ran outside fullcg). A model's own are its ``step_counts()``."""
+    return _process_total.snapshot()
 
 
 def reset_graph_mode_counts() -> None:
-    with _steps_lock:
-        _steps.clear()
+    """Zero the process's total and every model's counts."""
+    _process_total.reset()
+    for counts in list(_model_counts):
+        counts.reset()
 
 
-def count_step(key: str) -> None:
-    """Count one step under ``key``."""
-    with _steps_lock:
-        _steps[key] += 1
+def count_fallback(counts: StepCounts, source: str) -> None:
+    """Count a step of a compiled model (``counts``) that ran eagerly outside fullcg; warn
+    the first time in the process."""
+    counts.add("fallback")
+    log_once(
+        "fallback", logger, logging.WARNING,
+        "fullcg: a step of %s ran its attention outside the compiled graph (no fullcg pieces or CUDA graphs): "
+        "Dynamo ran the model eagerly, for example past its recompile limit (raise "
+        "torch._dynamo.config.recompile_limit, or see why it recompiles with TORCH_LOGS=recompiles). "
+        "Counted as graph_mode_counts()['fallback']; if you meant to run the compiled model's modules "
+        "eagerly, ignore this.", source,
+    )
 
-
-def count_fallback(source: str) -> None:
-    """Count a step of a compiled model that ran eagerly outside fullcg; warn the first time."""
-    global _warned_fallback
-    count_step("fallback")
-    if not _warned_fallback:
-        _warned_fallback = True
-        logger.warning(
-            "fullcg: a step of %s ran its attention outside the compiled graph (no fullcg pieces or CUDA graphs): "
-            "Dynamo ran the model eagerly, for example past its recompile limit (raise "
-            "torch._dynamo.config.recompile_limit, or see why it recompiles with TORCH_LOGS=recompiles). "
-            "Counted as graph_mode_counts()['fallback']; if you meant to run the compiled model's modules "
-            "eagerly, ignore this.", source,
-        )
 
 PREFILL, DECODE = 0, 1
 VISITED, SKIPPED = 0, 1

@@ -1,6 +1,6 @@
 """A seeded random serving loop: the steps an engine would run, for any model and device.
 
-:class:`ServingLoop` plays arrivals over time into a :class:`fullcg.generate.BatchScheduler`
+:class:`ServingLoop` plays arrivals over time into a :class:`fullcg.engine.BatchScheduler`
 with a per-step token budget (so prompts are prefilled in chunks: prefill, then extend),
 decodes, finished requests giving their pages back and later requests reusing them. The
 tokens fed back are drawn from the seed, not sampled from a model, so every model sees
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 import fullcg
-from fullcg.generate import BatchScheduler, Step
+from fullcg.engine import BatchScheduler, Step
 from fullcg.metadata import AttentionMetadata, ForwardMode
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import fullcg
-from fullcg.ops.attention import step_implementations
 from fullcg.ops.call import AttentionCall
 from fullcg.ops.impl.auto import AutoAttention
 from fullcg.ops.impl.base import AttentionImpl
@@ -52,15 +51,17 @@ def run(auto: AutoAttention, dtype: torch.dtype, layers: int = 1, use_kv_cache: 
         cache = b.layer.kv_cache
         for layer in range(layers):
             call = AttentionCall(
-                "attention", b.q, b.k, b.v, torch.empty_like(b.q), layer, None, factors.get("prefill"),
-                factors.get("decode"), 1.0, use_kv_cache, True, None, True, False,
+                op="attention", q=b.q, k=b.k, v=b.v, out=torch.empty_like(b.q), layer_id=layer,
+                key_value_num_tokens=None, prefill_scale_factor=factors.get("prefill"),
+                decode_scale_factor=factors.get("decode"), scale=1.0, use_kv_cache=use_kv_cache, causal=True,
+                prefix_chunk=None, save_kv_cache=True, return_lse=False,
             )
             auto.save_kv(call, ctx, cache)
             auto.forward(call, ctx, cache if use_kv_cache else None)
             auto.step_plan(call, ctx, cache)
-        for impl in step_implementations(ctx):
+        for impl in ctx.step.resolved():
             impl.plan(ctx)
-        return sorted(impl.name for impl in step_implementations(ctx))
+        return sorted(impl.name for impl in ctx.step.resolved())
 
 
 def test_dense_half_precision_calls_run_on_the_first_without_asking_it_and_replays_plan_only_it():
@@ -130,11 +131,13 @@ def test_windowed_and_softcapped_calls_are_decided_per_window_and_softcap_within
     with torch.inference_mode(), fullcg.forward_context(b.metadata, b.layer) as ctx:
         for layer, (window, softcap) in enumerate(masks):
             call = AttentionCall(
-                "attention", b.q, b.k, b.v, torch.empty_like(b.q), layer, None, None, None, 1.0, True, True, None,
-                True, False, sliding_window=window, logit_softcap=softcap,
+                op="attention", q=b.q, k=b.k, v=b.v, out=torch.empty_like(b.q), layer_id=layer,
+                key_value_num_tokens=None, prefill_scale_factor=None, decode_scale_factor=None, scale=1.0,
+                use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, return_lse=False,
+                sliding_window=window, logit_softcap=softcap,
             )
             auto.forward(call, ctx, b.layer.kv_cache)
-        planned = sorted(impl.name for impl in step_implementations(ctx))
+        planned = sorted(impl.name for impl in ctx.step.resolved())
     assert first.ran.count("serves") == 4  # (8, None), (4, None), (None, 2.0), (8, 2.0)
     assert first.windows == [m for m in masks if m != (4, None)]
     assert second.ran == ["forward"]

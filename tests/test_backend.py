@@ -11,7 +11,7 @@ import fullcg
 from fullcg.backend import Backend
 from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
-from fullcg.passes import AttributesPass, BreakablePass, PassManager
+from fullcg.passes import AttributesPass, PassManager, SplitPointsPass
 from batches import side_by_side
 from conftest import FULLCG_INSTALLED
 
@@ -161,7 +161,7 @@ def _traced_graph() -> torch.fx.GraphModule:
 def test_attribute_pass_writes_factors_on_every_attention_node_and_they_key_the_uuid():
     gm = _traced_graph()
     skip = fullcg.SkipSoftmaxConfig(prefill_scale_factor=587.0, decode_scale_factor=16.5)
-    manager = PassManager([AttributesPass(skip), BreakablePass(True)])
+    manager = PassManager([AttributesPass(skip), SplitPointsPass()])
     manager(gm.graph)
     nodes = fullcg.passes.attention_nodes(gm.graph)
     assert len(nodes) == 2
@@ -171,9 +171,9 @@ def test_attribute_pass_writes_factors_on_every_attention_node_and_they_key_the_
         assert node_attribute(node, "skip_softmax_prefill_scale_factor") == 587.0
         assert node_attribute(node, "skip_softmax_decode_scale_factor") == 16.5
         assert str(node.target) == "fullcg.breakable_attention.default"
-    same = PassManager([AttributesPass(fullcg.SkipSoftmaxConfig(587.0, 16.5)), BreakablePass(True)])
-    other = PassManager([AttributesPass(fullcg.SkipSoftmaxConfig(587.0, 16.0)), BreakablePass(True)])
-    full = PassManager([AttributesPass(skip), BreakablePass(False)])
+    same = PassManager([AttributesPass(fullcg.SkipSoftmaxConfig(587.0, 16.5)), SplitPointsPass()])
+    other = PassManager([AttributesPass(fullcg.SkipSoftmaxConfig(587.0, 16.0)), SplitPointsPass()])
+    full = PassManager([AttributesPass(skip)])  # no split points
     assert manager.uuid() == same.uuid()
     assert len({manager.uuid(), other.uuid(), full.uuid()}) == 3
 

@@ -11,7 +11,7 @@ import torch
 
 import fullcg
 from fullcg import context, errors
-from fullcg.generate import BatchScheduler
+from fullcg.engine import BatchScheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
 
 PAGES, PAGE = 16, 4
@@ -183,7 +183,7 @@ def test_positions_that_disagree_with_the_metadata_are_refused(model):
 
 
 def test_an_eager_step_with_autograd_warns_once_and_never_gives_the_cache_history(model, monkeypatch):
-    monkeypatch.setattr(context, "_warned_grad", False)
+    fullcg.diagnostics.forget_told(context.GRAD_WARNING)
     with pytest.warns(UserWarning, match="fullcg: a step runs with autograd enabled") as record:
         for prefix in (0, 3):
             md = fullcg.AttentionMetadata.build([3], [prefix], torch.tensor([[0, 1]], dtype=torch.int32), PAGE)

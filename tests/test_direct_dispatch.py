@@ -68,11 +68,12 @@ def test_steps_the_learned_graph_was_not_made_for_go_through_dynamo():
             compiled(ids.int(), pos)
         assert dynamo.calls == 3, "another dtype: Dynamo's guards decide"
         graphs = len(compiled.backend.runners)
-        with fullcg.forward_context(md, model, breakable=True):
+        factors = fullcg.FullCGConfig(skip_softmax=fullcg.SkipSoftmaxConfig(prefill_scale_factor=64.0))
+        with fullcg.forward_context(md, model, config=factors):
             compiled(ids, pos)
-        assert dynamo.calls == 4, "other static facts (breakable attention): another graph"
+        assert dynamo.calls == 4, "other static facts (the skip-softmax factors traced code reads): another graph"
         assert len(compiled.backend.runners) == graphs + 1
-        with fullcg.forward_context(md, model, breakable=True):
+        with fullcg.forward_context(md, model, config=factors):
             compiled(ids, pos)
         assert dynamo.calls == 4, "and that graph is learned too"
         other = LlamaModel(LlamaConfig.tiny())

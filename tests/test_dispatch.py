@@ -31,12 +31,7 @@ def recorder():
     return rec
 
 
-EXPECTED = {
-    (False, False): "attention",
-    (False, True): "attention_with_lse",
-    (True, False): "breakable_attention",
-    (True, True): "breakable_attention_with_lse",
-}
+EXPECTED = {False: "attention", True: "attention_with_lse"}
 CONFIG = fullcg.FullCGConfig(attention_impl="recording")
 
 
@@ -44,17 +39,19 @@ def _step(layer, q, k, v, return_lse):
     return layer(q, k, v, return_lse=return_lse)
 
 
-@pytest.mark.parametrize("breakable,return_lse", list(EXPECTED), ids=[EXPECTED[c] for c in EXPECTED])
-def test_eager_dispatch(recorder, breakable, return_lse):
+@pytest.mark.parametrize("return_lse", list(EXPECTED), ids=list(EXPECTED.values()))
+def test_eager_dispatch_calls_the_plain_op(recorder, return_lse):
     b = make_batch([3, 1], [0, 4])
-    with fullcg.forward_context(b.metadata, b.layer, config=CONFIG, breakable=breakable):
+    with fullcg.forward_context(b.metadata, b.layer, config=CONFIG):
         result = _step(b.layer, b.q, b.k, b.v, return_lse)
-    assert recorder.calls == [EXPECTED[(breakable, return_lse)]]
+    assert recorder.calls == [EXPECTED[return_lse]]
     assert isinstance(result, tuple) == return_lse
 
 
-@pytest.mark.parametrize("breakable,return_lse", list(EXPECTED), ids=[EXPECTED[c] for c in EXPECTED])
-def test_compiled_dispatch_puts_the_right_op_in_the_graph_and_runs_it(recorder, breakable, return_lse):
+@pytest.mark.parametrize("return_lse", list(EXPECTED), ids=list(EXPECTED.values()))
+def test_compiled_dispatch_puts_the_plain_op_in_the_graph_and_runs_it(recorder, return_lse):
+    """Split points are the fullcg backend's to mark (fullcg.passes.split); any other
+    compiler sees the plain op the layer emits."""
     torch._dynamo.reset()
     graphs: list[torch.fx.GraphModule] = []
 
@@ -67,10 +64,10 @@ def test_compiled_dispatch_puts_the_right_op_in_the_graph_and_runs_it(recorder, 
 
     compiled = torch.compile(_step, backend=backend, fullgraph=True)
     b = make_batch([3, 1], [0, 4])
-    with fullcg.forward_context(b.metadata, b.layer, config=CONFIG, breakable=breakable):
+    with fullcg.forward_context(b.metadata, b.layer, config=CONFIG):
         result = compiled(b.layer, b.q, b.k, b.v, return_lse)
         expected = _step(b.layer, b.q, b.k, b.v, return_lse)
-    op = EXPECTED[(breakable, return_lse)]
+    op = EXPECTED[return_lse]
     assert recorder.calls == [op, op]
     targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert f"fullcg.{op}.default" in targets
@@ -80,6 +77,26 @@ def test_compiled_dispatch_puts_the_right_op_in_the_graph_and_runs_it(recorder, 
         torch.testing.assert_close(result[1], expected[1])
     else:
         torch.testing.assert_close(result, expected)
+
+
+@pytest.mark.parametrize("op", ["attention", "attention_with_lse", "breakable_attention", "breakable_attention_with_lse"])
+def test_the_four_ops_compute_the_same_attention(recorder, op):
+    """The breakable forms (split points of compiled graphs) differ from the plain ones only
+    in name and tags: each reaches the implementation under its own name, with one result."""
+    b = make_batch([3, 1], [0, 4])
+    with fullcg.forward_context(b.metadata, b.layer, config=CONFIG):
+        expected, expected_lse = b.layer(b.q, b.k, b.v, return_lse=True)
+    b = make_batch([3, 1], [0, 4])  # the same batch over a fresh cache
+    out = torch.empty_like(expected)
+    with fullcg.forward_context(b.metadata, b.layer, config=CONFIG):
+        lse = getattr(torch.ops.fullcg, op).default(b.q, b.k, b.v, out, b.layer.layer_id, scale=b.layer.scale,
+                                                     kv_cache_id=b.layer.kv_cache.uid)
+    assert recorder.calls[-1] == op
+    torch.testing.assert_close(out, expected)
+    if op.endswith("with_lse"):
+        torch.testing.assert_close(lse, expected_lse)
+    else:
+        assert lse is None
 
 
 @pytest.mark.parametrize("return_lse", [False, True])

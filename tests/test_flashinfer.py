@@ -78,9 +78,10 @@ def _call(b: Batch, layer_id: int, window: int | None = None, softcap: float | N
     """An attention call over ``b`` as the ops make it (over the cache, or over given k/v)."""
     chunk = prefix_chunk is not None
     return AttentionCall(
-        "attention_with_lse", b.q, b.k, b.v, torch.empty_like(b.q), layer_id, None, prefill_factor, None,
-        b.layer.scale, use_kv_cache, not chunk, prefix_chunk, use_kv_cache, True,
-        sliding_window=window, logit_softcap=softcap,
+        op="attention_with_lse", q=b.q, k=b.k, v=b.v, out=torch.empty_like(b.q), layer_id=layer_id,
+        key_value_num_tokens=None, prefill_scale_factor=prefill_factor, decode_scale_factor=None,
+        scale=b.layer.scale, use_kv_cache=use_kv_cache, causal=not chunk, prefix_chunk=prefix_chunk,
+        save_kv_cache=use_kv_cache, return_lse=True, sliding_window=window, logit_softcap=softcap,
     )
 
 
@@ -822,8 +823,10 @@ def test_a_window_over_a_prefix_chunk_is_refused_naming_the_alternative():
         with pytest.raises(ValueError, match="prefix chunk.*attention_impl='triton' or 'auto'"):
             b.layer(b.q, ck, cv, return_lse=True, use_kv_cache=False, causal=False, prefix_chunk=0,
                     save_kv_cache=False)
-        call = AttentionCall("attention_with_lse", b.q, ck, cv, torch.empty_like(b.q), 0, None, None, None,
-                             b.layer.scale, False, False, 0, False, True, sliding_window=16)
+        call = AttentionCall(op="attention_with_lse", q=b.q, k=ck, v=cv, out=torch.empty_like(b.q), layer_id=0,
+                             key_value_num_tokens=None, prefill_scale_factor=None, decode_scale_factor=None,
+                             scale=b.layer.scale, use_kv_cache=False, causal=False, prefix_chunk=0,
+                             save_kv_cache=False, return_lse=True, sliding_window=16)
         assert not impl.serves(call, ctx, None)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fullcg
-from fullcg.generate import BatchScheduler, Sampler
+from fullcg.engine import BatchScheduler, Sampler
 from fullcg.models.generate import greedy_generate
 from fullcg.models.llama import LlamaConfig, LlamaModel
 
@@ -187,7 +187,7 @@ def test_the_stand_in_steps_are_valid_two_then_one_token_prefills_for_any_cache(
     # generate's first compiled steps on a GPU are these stand-ins: two tokens (one where the
     # cache holds only one), then one, so a graph Inductor guarded to "more than one token"
     # gets its one-token sibling compiled and captured before the first real step.
-    from fullcg.generate import _first_step
+    from fullcg.engine import _first_step
 
     model = _llama(num_pages=num_pages, page_size=page_size)
     seen = []

@@ -10,8 +10,11 @@ import torch
 import fullcg
 from fullcg.models.generate import Scheduler
 from fullcg.models.llama import LlamaConfig, LlamaModel
-from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES, MERGE_PREFIX_ATTRIBUTES
-from fullcg.passes import AttributesPass, BreakablePass, PassManager, split_graph
+from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES
+
+# The attributes of merge_prefix_chunks after q, out, lse, in schema order.
+MERGE_PREFIX_ATTRIBUTES = tuple(a.name for a in torch.ops.fullcg.merge_prefix_chunks.default._schema.arguments[3:])
+from fullcg.passes import AttributesPass, PassManager, SplitPointsPass, split_graph
 from fullcg.passes.attributes import node_attribute
 
 
@@ -35,7 +38,7 @@ def _dynamo_graph(chunked_prefix: bool) -> torch.fx.GraphModule:
 
 def _describe(gm: torch.fx.GraphModule) -> str:
     """Pieces in call order, what each holds, and every fullcg node with its attributes."""
-    PassManager([AttributesPass(fullcg.SkipSoftmaxConfig(64.0, 4.0)), BreakablePass(True)])(gm.graph)
+    PassManager([AttributesPass(fullcg.SkipSoftmaxConfig(64.0, 4.0)), SplitPointsPass()])(gm.graph)
     split = split_graph(gm)
     lines = []
     for piece in split.pieces:

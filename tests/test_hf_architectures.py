@@ -17,7 +17,7 @@ import torch
 from hf_models import transformers
 
 import fullcg
-from fullcg.generate import BatchScheduler
+from fullcg.engine import BatchScheduler
 from fullcg.integrations import transformers as fhf
 
 TOLERANCE = 1e-4

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fullcg
-from fullcg.generate import BatchScheduler
+from fullcg.engine import BatchScheduler
 from fullcg.integrations import smollm2
 
 pytestmark = pytest.mark.skipif(smollm2.missing() is not None, reason=smollm2.missing() or "")

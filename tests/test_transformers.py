@@ -9,7 +9,7 @@ import torch
 from hf_models import ARCHITECTURES, build, build_pair, transformers
 
 import fullcg
-from fullcg.generate import BatchScheduler
+from fullcg.engine import BatchScheduler
 from fullcg.integrations import transformers as fhf
 
 # Prompt lengths chosen with a budget of 8 tokens per step so the steps are, in order:

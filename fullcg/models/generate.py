@@ -1,6 +1,6 @@
 """The example scheduler: every request at once, a fixed prompt chunk, greedy sampling.
 
-:class:`Scheduler` is :class:`fullcg.generate.BatchScheduler` configured the simplest
+:class:`Scheduler` is :class:`fullcg.engine.BatchScheduler` configured the simplest
 way: no step budget and no request limit, so every request runs from the first step,
 each feeding at most ``prefill_chunk`` prompt tokens per step (prefill, then extend);
 ``commit`` samples greedily. Steps may mix prefill, extend and decode requests. The demo,
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import fullcg
-from fullcg.generate import BatchScheduler, Request, Step
+from fullcg.engine import BatchScheduler, Request, Step
 
 __all__ = ["Request", "Step", "Scheduler", "greedy_generate"]
 

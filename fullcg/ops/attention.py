@@ -89,37 +89,34 @@ def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple) -> AttentionCal
         attrs = attrs + _ATTRIBUTE_DEFAULTS[len(attrs) - 1 :]
     layer_id, kv_tokens, prefill, decode, scale, use_kv_cache, causal, chunk, save, window, softcap, cache_id = attrs
     return AttentionCall(
-        op, q, k, v, out, layer_id, kv_tokens, prefill, decode,
-        scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        use_kv_cache, causal, chunk, use_kv_cache if save is None else save, return_lse, cache_id, window, softcap,
+        op=op, q=q, k=k, v=v, out=out, layer_id=layer_id, key_value_num_tokens=kv_tokens,
+        prefill_scale_factor=prefill, decode_scale_factor=decode,
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        use_kv_cache=use_kv_cache, causal=causal, prefix_chunk=chunk,
+        save_kv_cache=use_kv_cache if save is None else save, return_lse=return_lse, kv_cache_id=cache_id,
+        sliding_window=window, logit_softcap=softcap,
     )
 
 
 def step_implementation(ctx: ForwardContext, device: torch.device, head_dim: int, v_head_dim: int) -> AttentionImpl:
     """The implementation that runs this step's attention of these head dims (resolved
     once per step; the runner plans captured full graphs with what it finds here)."""
-    key = ("impl", head_dim, v_head_dim)
-    impl = ctx.memo.get(key)
+    resolved = ctx.step.implementations
+    impl = resolved.get((head_dim, v_head_dim))
     if impl is None:
-        impl = ctx.memo[key] = resolve_implementation(ctx.config.attention_impl, device, head_dim, v_head_dim)
+        impl = resolved[(head_dim, v_head_dim)] = resolve_implementation(
+            ctx.config.attention_impl, device, head_dim, v_head_dim)
     return impl
-
-
-def step_implementations(ctx: ForwardContext) -> tuple[AttentionImpl, ...]:
-    """Every implementation this step's attention calls resolved, and those a composite
-    (``auto``) ran them on, once each: what replays of a captured step plan."""
-    found = [v for k, v in ctx.memo.items() if isinstance(k, tuple) and k and k[0] == "impl"]
-    return tuple({id(i): i for i in found}.values())
 
 
 def _check_saved_once(call: AttentionCall, ctx: ForwardContext) -> None:
     """A layer owns one KV cache slot per token: a second save in one step would overwrite the
     first (a module that calls attention twice per layer, e.g. on two halves of v). Compiled
     graphs are checked once at compile time instead (``AttributesPass``)."""
-    mark = ("saved_kv", call.layer_id)
-    first = ctx.memo.get(mark)
+    saved = ctx.step.saved_kv
+    first = saved.get(call.layer_id)
     if first is None:
-        ctx.memo[mark] = (call.k, call.v)
+        saved[call.layer_id] = (call.k, call.v)
         return
     # Saving the same k/v again (a step re-run in one context) overwrites nothing that differs.
     n = ctx.metadata.num_tokens
@@ -144,7 +141,7 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
         if ctx is not None and ctx.compiled and len(attrs) == _NUM_ATTRIBUTES and not ctx.config.debug_checks:
             plan_key = (name, attrs[1:-1], q.dtype, q.device, q.shape, k.shape, v.shape, q.stride(), k.stride(),
                         v.stride(), out.stride())
-            planned = ctx.memo.get(plan_key)
+            planned = ctx.step.plans.get(plan_key)
             if planned is not None:
                 plan, fit = planned
                 cache = ctx.kv_caches.get(attrs[0]) if fit is not None else None
@@ -165,10 +162,10 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
         lse = impl.forward(call, ctx, cache if call.use_kv_cache else None)
         if return_lse and lse is None:
             raise RuntimeError(f"attention implementation {impl.name!r} returned no LSE for fullcg.{name}")
-        if plan_key is not None and call.kv_cache_id and plan_key not in ctx.memo:
+        if plan_key is not None and call.kv_cache_id and plan_key not in ctx.step.plans:
             plan = impl.step_plan(call, ctx, cache)
             if plan is not None:
-                ctx.memo[plan_key] = (plan, cache.fit if cache is not None else None)
+                ctx.step.plans[plan_key] = (plan, cache.fit if cache is not None else None)
         return lse if return_lse else None
 
     def fake(q, k, v, out, *attrs):
@@ -314,10 +311,10 @@ def _check_merge_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, l
 
 def _chunk_buffers(ctx: ForwardContext, q: torch.Tensor, out: torch.Tensor, cache: Any, rows: int) -> tuple:
     """Gather and result buffers for one chunk, made once per step and shared by its layers."""
-    key = ("prefix_chunk_buffers", q.shape, out.shape[2], cache.num_kv_heads, cache.head_dim, cache.v_head_dim, q.dtype)
-    buffers = ctx.memo.get(key)
+    key = (q.shape, out.shape[2], cache.num_kv_heads, cache.head_dim, cache.v_head_dim, q.dtype)
+    buffers = ctx.step.chunk_buffers.get(key)
     if buffers is None:
-        buffers = ctx.memo[key] = (
+        buffers = ctx.step.chunk_buffers[key] = (
             q.new_empty((rows, cache.num_kv_heads, cache.head_dim)),
             q.new_empty((rows, cache.num_kv_heads, cache.v_head_dim)),
             torch.empty_like(out),
@@ -370,9 +367,11 @@ def _merge_prefix_chunks(
     k_c, v_c, out_c = _chunk_buffers(ctx, q, out, cache, md.prefix_chunk_tokens)
     # One call object for all chunks: only the chunk index changes.
     call = AttentionCall(
-        "merge_prefix_chunks", q, k_c, v_c, out_c, layer_id, None, skip_softmax_prefill_scale_factor,
-        skip_softmax_decode_scale_factor, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        False, False, 0, False, True, kv_cache_id, sliding_window, logit_softcap,
+        op="merge_prefix_chunks", q=q, k=k_c, v=v_c, out=out_c, layer_id=layer_id, key_value_num_tokens=None,
+        prefill_scale_factor=skip_softmax_prefill_scale_factor, decode_scale_factor=skip_softmax_decode_scale_factor,
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        use_kv_cache=False, causal=False, prefix_chunk=0, save_kv_cache=False, return_lse=True,
+        kv_cache_id=kv_cache_id, sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
     check_tensors(call)  # the window and soft-cap values (shapes were checked above)
     layer_cache(call, ctx)  # the calling layer's own cache, and it fits (raises naming the fix)
@@ -389,12 +388,6 @@ def _merge_prefix_chunks(
 def _merge_prefix_chunks_fake(q, out, lse, layer_id, *attrs) -> None:
     _check_merge_prefix(q, out, lse, layer_id)
 
-
-#: The attributes of ``merge_prefix_chunks`` after ``q, out, lse`` (the attention ops' names).
-MERGE_PREFIX_ATTRIBUTES = (
-    "layer_id", "skip_softmax_prefill_scale_factor", "skip_softmax_decode_scale_factor", "scale", "kv_cache_id",
-    "sliding_window", "logit_softcap",
-)
 
 merge_prefix_chunks = _register(
     "merge_prefix_chunks",

@@ -16,16 +16,17 @@ from fullcg.config import check_scale_factor
 from fullcg.context import ForwardContext
 from fullcg.errors import DtypeMismatchError, OverlappingOutputError
 from fullcg.kv_cache import KVCache
-from fullcg.metadata import AttentionMetadata, ForwardMode
+from fullcg.metadata import ForwardMode
 
-__all__ = ["AttentionCall", "check_tensors", "check_no_overlap", "check_against_context", "kv_rows_needed", "layer_cache"]
+__all__ = ["AttentionCall", "check_tensors", "check_no_overlap", "check_against_context", "layer_cache"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # Not frozen, with slots: one is built per attention call, and a frozen dataclass's
 # __init__ (object.__setattr__ per field) costs microseconds on the per-layer path.
-@dataclasses.dataclass(eq=False, slots=True)
+# Keyword-only: sixteen fields, several of them flags, read wrong when given by position.
+@dataclasses.dataclass(eq=False, slots=True, kw_only=True)
 class AttentionCall:
     """The arguments of one attention op call (implementations read, never change them).
 
@@ -173,13 +174,6 @@ def check_no_overlap(call: AttentionCall) -> None:
             )
 
 
-def kv_rows_needed(call: AttentionCall, metadata: AttentionMetadata) -> int:
-    """Rows of ``k``/``v`` that the batch reads."""
-    if call.prefix_chunk is not None:
-        return metadata.prefix_chunks[call.prefix_chunk].offsets[-1]
-    return metadata.num_tokens
-
-
 def check_against_context(call: AttentionCall, ctx: ForwardContext) -> KVCache | None:
     """Checks of a call against the step's metadata; returns the layer's KV cache if used.
 
@@ -217,7 +211,7 @@ def layer_cache(call: AttentionCall, ctx: ForwardContext) -> KVCache:
     to fit the call (once per step and layer; later calls take the remembered answer)."""
     cache = ctx.kv_caches.get(call.layer_id)
     if cache is not None and call.kv_cache_id and cache.uid == call.kv_cache_id and \
-            ctx.memo.get(("cache_ok", call.layer_id)) is cache:
+            ctx.step.checked_caches.get(call.layer_id) is cache:
         return cache
     return _check_cache(call, ctx, cache)
 
@@ -260,15 +254,16 @@ def _check_cache(call: AttentionCall, ctx: ForwardContext, cache: KVCache | None
         )
     if cache.page_size != md.page_size:
         raise ValueError(f"{where}: metadata page_size {md.page_size} differs from the cache's {cache.page_size}")
-    if cache.compiled and not ctx.compiled and "fallback" not in ctx.memo:
-        ctx.memo["fallback"] = True  # once per step
-        telemetry.count_fallback(ctx.source)
-    ctx.memo[("cache_ok", call.layer_id)] = cache
+    step = ctx.step
+    if cache.compiled_counts is not None and not ctx.compiled and not step.fallback_counted:
+        step.fallback_counted = True  # once per step
+        telemetry.count_fallback(cache.compiled_counts, ctx.source)
+    step.checked_caches[call.layer_id] = cache
     fit = (cache.num_kv_heads, cache.head_dim, cache.v_head_dim, cache.k.dtype, cache.k.device, md.page_size)
     cache.fit = _fits.setdefault(fit, fit)
     return cache
 
 
 # One object per distinct fit, so "this cache passed the checks for calls like this one"
-# is an identity test on the per-layer path.
+# is an identity test on the per-layer path (an interning cache: a handful of entries).
 _fits: dict[tuple[object, ...], tuple[object, ...]] = {}

@@ -1,10 +1,9 @@
-"""Passes that set attributes of attention op nodes, so they are visible in the graph.
+"""The attributes of attention op nodes, read and written where the graph shows them.
 
-- :class:`AttributesPass` writes the configured skip-softmax factors onto every attention
-  node (and every ``merge_prefix_chunks`` node, which attends over prefix chunks) and checks ``key_value_num_tokens`` against the k/v it describes.
-- :class:`BreakablePass` points every attention node at the breakable or the
-  non-breakable op, which decides where the graph is split: piecewise graphs split at
-  breakable ops, a full graph keeps every op inside.
+:class:`AttributesPass` writes the configured skip-softmax factors onto every attention
+node (and every ``merge_prefix_chunks`` node, which attends over prefix chunks), checks
+``key_value_num_tokens`` against the k/v it describes, and refuses a graph in which two
+calls save new k/v for one layer. (Where a graph is split is :mod:`fullcg.passes.split`'s.)
 """
 
 from __future__ import annotations
@@ -13,31 +12,18 @@ import torch
 import torch.fx
 
 from fullcg.config import SkipSoftmaxConfig
-from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES
+from fullcg.ops.attention import ATTENTION_OPS
 from fullcg.passes.manager import source_hash
 
-__all__ = [
-    "AttributesPass", "BreakablePass", "attention_nodes", "is_breakable_target", "node_attribute", "prefix_chunk_nodes",
-    "set_node_attribute",
-]
+__all__ = ["AttributesPass", "attention_nodes", "node_attribute", "prefix_chunk_nodes", "set_node_attribute"]
 
-_OP_KEY = {op: key for key, op in ATTENTION_OPS.items()}  # op -> (breakable, return_lse)
+_ATTENTION_OPS = frozenset(ATTENTION_OPS.values())
 _PREFIX_CHUNK_OPS = (torch.ops.fullcg.merge_prefix_chunks.default,)
 
 
 def attention_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """All calls of the four attention ops, in graph order."""
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in _OP_KEY]
-
-
-def is_breakable_target(target: object) -> bool:
-    """Whether ``target`` is one of the two breakable attention ops."""
-    key = _OP_KEY.get(target)
-    return key is not None and key[0]
-
-
-def is_breakable(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and is_breakable_target(node.target)
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in _ATTENTION_OPS]
 
 
 def _arg_index(node: torch.fx.Node, name: str) -> int:
@@ -125,18 +111,3 @@ class AttributesPass:
 
     def uuid(self) -> str:
         return source_hash(self, self.skip_softmax)
-
-
-class BreakablePass:
-    """Retargets every attention node to the breakable (or non-breakable) op of its kind."""
-
-    def __init__(self, breakable: bool) -> None:
-        self.breakable = breakable
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for node in attention_nodes(graph):
-            _, return_lse = _OP_KEY[node.target]
-            node.target = ATTENTION_OPS[(self.breakable, return_lse)]
-
-    def uuid(self) -> str:
-        return source_hash(self, self.breakable)

@@ -1,10 +1,23 @@
-"""Splits a graph at breakable attention ops into pieces.
+"""Where a step is split: the one definition of a *split point*, and the split itself.
 
-Every breakable op (with any ``getitem`` users of its result) becomes a piece of its own,
-run eagerly between the compiled pieces around it; non-breakable ops stay inside pieces.
-``merge_prefix_chunks`` and ``gather_prefix_chunk`` are always split points: they read the
-step's prefix-chunk plan on the host.
-The split keeps the original node order, so each piece reads like the model's code.
+A split point is a call that runs eagerly between captured pieces of a piecewise step:
+every attention op call, and ``merge_prefix_chunks`` and ``gather_prefix_chunk``, which
+read the step's prefix-chunk plan on the host (:func:`is_split_target`). Both front ends
+split there and nowhere else:
+
+- the compile backend splits every graph Dynamo hands it (:func:`split_graph`), after
+  :class:`SplitPointsPass` has retargeted each attention node to the breakable form of its
+  op, so the graph shows its split points and Inductor's own partitioning agrees (the
+  breakable ops carry ``cudagraph_unsafe``). One split graph serves both variants: a
+  piecewise step replays the pieces' graphs with the split points eager between them, a
+  full step runs pieces and split points inside one CUDA graph;
+- capture without a compiler (:mod:`fullcg.eager_capture`) ends a graph segment at each
+  split point while it captures the piecewise variant, and splits nothing in the full one.
+
+Layers always emit the plain ops (:class:`fullcg.Attention`); a step's split points are
+never a choice of the model or of the forward context. Each split point (with any
+``getitem`` users of its result) becomes a piece of its own; the split keeps the original
+node order, so each piece reads like the model's code.
 """
 
 from __future__ import annotations
@@ -16,11 +29,13 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from fullcg.passes.attributes import attention_nodes, is_breakable_target, node_attribute, prefix_chunk_nodes
+from fullcg.ops.attention import ATTENTION_OPS
+from fullcg.passes.attributes import attention_nodes, node_attribute, prefix_chunk_nodes
+from fullcg.passes.manager import source_hash
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
 
-__all__ = ["Piece", "SplitGraph", "is_split_target", "reads_host_plan", "split_graph"]
+__all__ = ["Piece", "SplitGraph", "SplitPointsPass", "is_split_target", "reads_host_plan", "split_graph"]
 
 # Ops that always run eagerly between pieces: they loop over the step's prefix-chunk plan
 # on the host, so no CUDA graph can hold them.
@@ -35,10 +50,27 @@ def reads_host_plan(target: object) -> bool:
     return target in _HOST_PLAN_OPS
 
 
+_OP_KEY = {op: key for key, op in ATTENTION_OPS.items()}  # op -> (breakable, return_lse)
+_ATTENTION_PACKETS = tuple({op.overloadpacket for op in ATTENTION_OPS.values()})
+
+
 def is_split_target(target: object) -> bool:
-    """Whether calls of op ``target`` run eagerly between pieces (breakable attention, or an
-    op that reads the step's host data)."""
-    return target in _HOST_PLAN_OPS or is_breakable_target(target)
+    """Whether calls of op ``target`` are split points (see the module doc): an attention
+    op of any of the four forms, or an op that reads the step's prefix-chunk plan."""
+    return target in _OP_KEY or target in _HOST_PLAN_OPS or target in _ATTENTION_PACKETS
+
+
+class SplitPointsPass:
+    """Retargets every attention node to the breakable form of its op (keeping ``return_lse``):
+    the compiled graph's split points, shown in the graph (see the module doc)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in attention_nodes(graph):
+            _, return_lse = _OP_KEY[node.target]
+            node.target = ATTENTION_OPS[(True, return_lse)]
+
+    def uuid(self) -> str:
+        return source_hash(self)
 
 
 def _is_split_point(node: torch.fx.Node) -> bool:
@@ -81,7 +113,7 @@ class SplitGraph:
 
 
 def split_graph(gm: torch.fx.GraphModule) -> SplitGraph:
-    """Cut ``gm`` at every breakable attention op."""
+    """Cut ``gm`` at every split point (:func:`is_split_target`)."""
     piece_of: dict[torch.fx.Node, int] = {}
     breakable_ids: set[int] = set()
     current = 0

@@ -43,29 +43,29 @@ class AutoAttention(AttentionImpl):
         self.flashinfer = flashinfer
         self.triton = triton
         self.capture_safe = flashinfer.capture_safe and triton.capture_safe
-        # Memo keys under which a step records what it ran, as the ops record resolved
-        # implementations: a captured graph's replays plan what it ran, not both.
-        self._ran = {impl: ("impl", "auto", impl.name) for impl in (flashinfer, triton)}
 
     def choose(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> AttentionImpl:
         """The implementation that runs ``call`` (``cache``: the layer's cache, when it has one)."""
         if call.prefill_scale_factor is None and call.decode_scale_factor is None and call.q.dtype in _HALF \
                 and call.sliding_window is None and call.logit_softcap is None:
             # Dense half-precision calls, the common case: decided without probing.
-            ctx.memo[self._ran[self.flashinfer]] = self.flashinfer
+            # Recorded as the step's resolved implementations are: a captured graph's
+            # replays plan what it ran, not both.
+            ctx.step.ran[self.flashinfer.name] = self.flashinfer
             return self.flashinfer
         attends_cache = cache if call.use_kv_cache else None
-        key = ("auto", call.op, call.use_kv_cache, call.causal, call.prefix_chunk, call.return_lse,
+        key = (call.op, call.use_kv_cache, call.causal, call.prefix_chunk, call.return_lse,
                call.key_value_num_tokens, call.prefill_scale_factor, call.decode_scale_factor,
                call.sliding_window, call.logit_softcap, call.q.dtype,
                call.q.shape, call.k.shape, call.v.shape,
                attends_cache.v_offset_pages if attends_cache is not None else None,
                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-        chosen = ctx.memo.get(key)
+        step = ctx.step
+        chosen = step.auto_choices.get(key)
         if chosen is None:
             serves = self.flashinfer.serves(call, ctx, attends_cache)
-            chosen = ctx.memo[key] = self.flashinfer if serves else self.triton
-            ctx.memo[self._ran[chosen]] = chosen
+            chosen = step.auto_choices[key] = self.flashinfer if serves else self.triton
+            step.ran[chosen.name] = chosen
         return chosen
 
     def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
@@ -82,5 +82,5 @@ class AutoAttention(AttentionImpl):
         return self.flashinfer.supports(head_dim, v_head_dim) or self.triton.supports(head_dim, v_head_dim)
 
     def plan(self, ctx: ForwardContext) -> None:
-        """Nothing: the step's memo names what its calls ran (:func:`fullcg.ops.attention.step_implementations`
+        """Nothing: the step's state names what its calls ran (:meth:`fullcg.context.StepState.resolved`
         returns those too), and replays plan only those."""

@@ -9,7 +9,6 @@ skip decisions and counters can be compared with a kernel's.
 
 from __future__ import annotations
 
-import math
 
 import torch
 

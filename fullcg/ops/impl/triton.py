@@ -111,10 +111,11 @@ class _Step:
 
 def _step(ctx: ForwardContext, call: AttentionCall) -> _Step:
     device = call.q.device
-    step = ctx.memo.get(_Step)
+    state = ctx.step.kernel_state
+    step = state.get("triton")
     if step is None or step.device != device:
         _check_device(call)  # first: the step's metadata copies and the save come next
-        step = ctx.memo[_Step] = _Step(ctx, device)
+        step = state["triton"] = _Step(ctx, device)
     return step
 
 

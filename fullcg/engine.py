@@ -27,8 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-import fullcg
-from fullcg.config import GraphMode
+from fullcg.backend import compile as compile_model
+from fullcg.config import FullCGConfig, GraphMode
+from fullcg.context import forward_context
+from fullcg.frontend import progress_bar
+from fullcg.layer import Attention
+from fullcg.metadata import AttentionMetadata, ForwardMode
+from fullcg.ownership import PageOwnership
+from fullcg.runner import capture
 
 __all__ = ["Request", "Step", "BatchScheduler", "Sampler", "generate"]
 
@@ -70,12 +76,12 @@ class Step:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    metadata: fullcg.AttentionMetadata
+    metadata: AttentionMetadata
     requests: list[Request]
     sample_rows: list[int | None]  # row of the logits each request samples from, None mid-prompt
 
     @property
-    def modes(self) -> tuple[fullcg.ForwardMode, ...]:
+    def modes(self) -> tuple[ForwardMode, ...]:
         return self.metadata.forward_modes
 
 
@@ -147,7 +153,7 @@ class BatchScheduler:
         self.waiting: collections.deque[Request] = collections.deque(self.requests)
         self.running: list[Request] = []
         self._free_pages: collections.deque[int] = collections.deque(range(num_pages))
-        self.ownership = fullcg.PageOwnership(num_pages) if check_page_ownership else None
+        self.ownership = PageOwnership(num_pages) if check_page_ownership else None
         self._ids = {id(req): i for i, req in enumerate(self.requests)}
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
@@ -232,10 +238,10 @@ class BatchScheduler:
             prefix = req.num_cached
             if req.in_prompt:
                 new = req.prompt[prefix : prefix + n]
-                mode = fullcg.ForwardMode.PREFILL if prefix == 0 else fullcg.ForwardMode.EXTEND
+                mode = ForwardMode.PREFILL if prefix == 0 else ForwardMode.EXTEND
             else:
                 new = [req.tokens[-1]]
-                mode = fullcg.ForwardMode.DECODE
+                mode = ForwardMode.DECODE
             ids += new
             pos += range(prefix, prefix + len(new))
             q_lens.append(len(new))
@@ -246,7 +252,7 @@ class BatchScheduler:
         table = torch.zeros(len(plan), width, dtype=torch.int32)
         for i, (req, _) in enumerate(plan):
             table[i, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int32)
-        md = fullcg.AttentionMetadata.build(
+        md = AttentionMetadata.build(
             q_lens, p_lens, table, self.page_size, modes, prefix_chunk_tokens=self.prefix_chunk_tokens,
             device=self.device, num_pages=self.num_pages,
         )
@@ -358,19 +364,22 @@ class _CompiledCache(dict):
         return _CompiledCache()
 
 
-def _compiled_step(model: nn.Module, config: fullcg.FullCGConfig) -> tuple[nn.Module, Callable[..., Any], bool]:
+def _compiled_step(model: nn.Module, config: FullCGConfig) -> tuple[nn.Module, Callable[..., Any], bool]:
     """(step module, its compiled form, whether it is new), reused across calls for one model and config.
 
     Kept in a plain dict on the model (not a submodule, so module walks never see it), so a
-    second :func:`generate` call neither recompiles nor recaptures.
+    second :func:`generate` call neither recompiles nor recaptures. The one attribute
+    fullcg sets on a model it did not create, because the compiled step must live exactly
+    as long as the model: it holds the model, so a fullcg-side map keyed by the model
+    would keep every model alive.
     """
-    cache: dict[fullcg.FullCGConfig, tuple[nn.Module, Callable[..., Any]]] = model.__dict__.setdefault(
+    cache: dict[FullCGConfig, tuple[nn.Module, Callable[..., Any]]] = model.__dict__.setdefault(
         "_fullcg_compiled", _CompiledCache()
     )
     if config in cache:
         return (*cache[config], False)
     module = _step_module(model)
-    compiled = fullcg.compile(module, config)
+    compiled = compile_model(module, config)
     cache[config] = (module, compiled)
     return module, compiled, True
 
@@ -388,35 +397,6 @@ def mark_token_dim(*tensors: torch.Tensor) -> None:
             dynamo.mark_dynamic(t, 0)
 
 
-class _Progress:
-    """A progress bar over finished requests (tqdm when installed, else a log line per 10%)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self._bar = total, 0, None
-        self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, desc="fullcg.generate", unit="req")
-            except ImportError:
-                pass
-
-    def update(self, n: int, new_tokens: int) -> None:
-        if not self.enabled or n == 0:
-            return
-        self.done += n
-        if self._bar is not None:
-            self._bar.update(n)
-            self._bar.set_postfix(tokens=new_tokens, refresh=False)
-        elif self.done == self.total or self.done % max(1, self.total // 10) < n:
-            logger.info("fullcg.generate: %d/%d requests done, %d tokens generated", self.done, self.total, new_tokens)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 def generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -431,7 +411,7 @@ def generate(
     max_num_seqs: int = 256,
     prefill_chunk: int | None = None,
     compile: bool = True,
-    config: fullcg.FullCGConfig | None = None,
+    config: FullCGConfig | None = None,
     progress: bool = True,
 ) -> list[list[int]]:
     """Generate tokens for ``prompts`` with continuous batching; returns the new ids per prompt, in order.
@@ -459,12 +439,12 @@ def generate(
     The output excludes the prompt. A request stopped by a stop token is shorter than
     ``max_new_tokens``. Greedy output is what the model's own greedy decoding gives.
     """
-    config = config or fullcg.FullCGConfig.from_env()
+    config = config or FullCGConfig.from_env()
     sampler = Sampler(temperature, top_k, top_p, seed)
-    layers = [m for m in model.modules() if isinstance(m, fullcg.Attention)]
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers or any(a.kv_cache is None for a in layers):
         raise RuntimeError(
-            f"{type(model).__name__} needs a paged KV cache in every fullcg.Attention layer: allocate it "
+            f"{type(model).__name__} needs a paged KV cache in every Attention layer: allocate it "
             "(e.g. model.allocate_kv_cache(num_pages, page_size)) or, for a transformers model, call "
             "fullcg.integrations.transformers.prepare(model, num_pages=..., page_size=...)"
         )
@@ -481,13 +461,13 @@ def generate(
         max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
         stop_token_ids=stop_token_ids, device=cache.k.device,
     )
-    bar = _Progress(len(sched.requests), progress)
+    bar = progress_bar(len(sched.requests), "fullcg.generate", "requests") if progress else None
     generated = 0
     with torch.inference_mode():
         if new and cache.k.device.type == "cuda":
             _first_step(run, module, cache, config)
         while (step := sched.next_step()) is not None:
-            with fullcg.forward_context(step.metadata, module, config=config):
+            with forward_context(step.metadata, module, config=config):
                 logits = run(step.input_ids, step.positions)
             rows = [r for r in step.sample_rows if r is not None]
             tokens: list[int | None] = [None] * len(step.requests)
@@ -496,12 +476,15 @@ def generate(
                 it = iter(picked)
                 tokens = [next(it) if r is not None else None for r in step.sample_rows]
                 generated += len(rows)
-            bar.update(len(sched.advance(step, tokens)), generated)
-    bar.close()
+            finished = len(sched.advance(step, tokens))
+            if bar is not None and finished:
+                bar(finished, tokens=generated)
+    if bar is not None:
+        bar(0, done=True)
     return [req.generated for req in sched.requests]
 
 
-def _first_step(run: Callable[..., Any], module: nn.Module, cache: Any, config: fullcg.FullCGConfig) -> None:
+def _first_step(run: Callable[..., Any], module: nn.Module, cache: Any, config: FullCGConfig) -> None:
     """Trace the model on stand-in steps and, unless the graph mode is ``none``, capture
     every CUDA-graph size now, so no step pays for a compile or a capture.
 
@@ -515,12 +498,12 @@ def _first_step(run: Callable[..., Any], module: nn.Module, cache: Any, config: 
     device = cache.k.device
     for tokens in (2, 1) if cache.page_size * cache.num_pages >= 2 else (1,):
         table = torch.arange(-(-tokens // cache.page_size), dtype=torch.int32)[None]
-        md = fullcg.AttentionMetadata.build([tokens], [0], table, cache.page_size, device=device)
+        md = AttentionMetadata.build([tokens], [0], table, cache.page_size, device=device)
         ids = torch.zeros(tokens, dtype=torch.long, device=device)
         pos = torch.arange(tokens, dtype=torch.long, device=device)
         mark_token_dim(ids, pos)
         if config.graph_mode is not GraphMode.NONE:
-            fullcg.capture(run, md, module, ids, pos)
+            capture(run, md, module, ids, pos)
         else:
-            with fullcg.forward_context(md, module, config=config):
+            with forward_context(md, module, config=config):
                 run(ids, pos)
