@@ -14,7 +14,6 @@ and the backend returns a :class:`fullcg.runner.StepRunner` that picks a variant
 
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import operator
@@ -31,7 +30,6 @@ from fullcg.diagnostics import log_once
 from fullcg.frontend import device_of, note_device
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
-from fullcg.context import check_call_positions, positions_argument
 from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
 from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
@@ -39,8 +37,8 @@ from fullcg.eager_capture import EagerCaptureModel
 from fullcg.passes import AttributesPass, PassManager, SplitGraph, SplitPointsPass, split_graph
 from fullcg.passes.piece_key import piece_key
 from fullcg.passes.split import Piece, reads_host_plan
-from fullcg.dispatch import MISS, DirectDispatch
-from fullcg.runner import PieceCall, StepRunner, observed_runner_calls
+from fullcg.dispatch import CompiledModel
+from fullcg.runner import PieceCall, StepRunner
 from fullcg.telemetry import StepCounts, model_counts
 
 __all__ = ["Backend", "CompiledModel", "compile", "fullcg_backend"]
@@ -513,62 +511,6 @@ def fullcg_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     except FullCGError as e:
         raise through_dynamo(e) from None
     return backend(gm, example_inputs, **kwargs)
-
-
-class CompiledModel:
-    """A model compiled with fullcg whose token dimension is dynamic from the first step.
-
-    Dimension 0 of every tensor argument is the token dimension (the convention of models
-    built on ``fullcg.Attention``: ``input_ids [T]``, ``positions [T]``, hidden states
-    ``[T, H]``), marked dynamic before each call, so the first trace already serves every
-    token count and the second step never recompiles. Other dimensions stay static, so the
-    runner can pad and capture. Built by :func:`compile`.
-    """
-
-    def __init__(self, model: torch.nn.Module, backend: Backend) -> None:
-        self.model = model
-        self.backend = backend
-        # Steps after Dynamo's first call of a graph skip Dynamo (fullcg.dispatch);
-        # debug_checks keeps every step on Dynamo's guards.
-        self._direct = None if backend.config.debug_checks else DirectDispatch(model, backend.runners)
-        self._positions = positions_argument(model) if backend.config.debug_checks else None
-        options = {"guard_filter_fn": self._direct.note_guards} if self._direct is not None else None
-        self._compiled = torch.compile(model, backend=backend, options=options)
-
-    @property
-    def config(self) -> FullCGConfig:
-        """The config every step runs under (the backend's)."""
-        return self.backend.config
-
-    @property
-    def runners(self) -> list[StepRunner]:
-        """One runner per graph compiled so far (each has a ``report``)."""
-        return self.backend.runners
-
-    def step_counts(self) -> collections.Counter[str]:
-        """This model's steps by how they ran (keys as :func:`fullcg.graph_mode_counts`)."""
-        return self.backend.counts.snapshot()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        direct = self._direct
-        if direct is not None and not kwargs:
-            out = direct(args)
-            if out is not MISS:
-                return out
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.dim() >= 1:
-                torch._dynamo.mark_dynamic(value, 0)
-        if direct is None or kwargs:
-            if self.backend.config.debug_checks:
-                check_call_positions(self._positions, args, kwargs)
-            return self._compiled(*args, **kwargs)
-        with observed_runner_calls() as calls:
-            result = self._compiled(*args)
-        direct.learn(args, calls, result)
-        return result
-
-    def __repr__(self) -> str:
-        return f"fullcg.compile({type(self.model).__name__}, graph_mode={self.backend.config.graph_mode})"
 
 
 def compile(

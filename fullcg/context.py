@@ -296,16 +296,28 @@ def _source_name(source: object) -> str:
     return "a mapping of KV caches" if source is not None else "no KV caches"
 
 
-@contextlib.contextmanager
-def _pushed(ctx: ForwardContext) -> Iterator[ForwardContext]:
+def enter(ctx: ForwardContext) -> None:
+    """Make ``ctx`` this thread's innermost context until :func:`leave` (the runner's
+    per-step path pairs them in ``try``/``finally``; everything else uses a ``with``)."""
     state = _state
     state.stack.append(ctx)
     state.publish()
+
+
+def leave() -> None:
+    """End the innermost context :func:`enter` began."""
+    state = _state
+    state.stack.pop()
+    state.publish()
+
+
+@contextlib.contextmanager
+def _pushed(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    enter(ctx)
     try:
         yield ctx
     finally:
-        state.stack.pop()
-        state.publish()
+        leave()
 
 
 def derived_context(
@@ -319,11 +331,22 @@ def derived_context(
     """How a runner runs its graph for a step: ``ctx`` with the runner's config, the dispatch
     key (``variant``, ``padded_size``) and, for full-graph replays, the metadata in static
     buffers."""
-    derived = ForwardContext(
+    return _pushed(derived(ctx, config=config, variant=variant, padded_size=padded_size, metadata=metadata))
+
+
+def derived(
+    ctx: ForwardContext,
+    *,
+    config: FullCGConfig,
+    variant: GraphMode,
+    padded_size: int | None,
+    metadata: AttentionMetadata | None = None,
+) -> ForwardContext:
+    """The context :func:`derived_context` enters (for :func:`enter`/:func:`leave`)."""
+    return ForwardContext(
         metadata if metadata is not None else ctx.metadata, ctx.kv_caches, config,
         source=ctx.source, compiled=True, variant=variant, padded_size=padded_size,
     )
-    return _pushed(derived)
 
 
 #: The static facts traced code may read, in the order :func:`static_facts` gives them.

@@ -1,4 +1,5 @@
-"""Direct dispatch: a compiled model's steps reach its runner without Dynamo.
+"""How a compiled model's step reaches its runner: :class:`CompiledModel`, and direct
+dispatch, which takes steps past Dynamo once Dynamo has compiled their graph.
 
 Dynamo checks thousands of guards per call on a 32-layer model (module hooks, types,
 every parameter), then fetches every parameter to pass to the graph: a few hundred
@@ -27,17 +28,23 @@ compiling, or compile again (``config.debug_checks`` keeps every step on Dynamo'
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fullcg import context
+from fullcg.config import FullCGConfig
+from fullcg.context import check_call_positions, positions_argument
 from fullcg.runner import StepRunner, observed_runner_calls
 
-__all__ = ["DirectDispatch", "MISS", "observed_runner_calls"]
+if TYPE_CHECKING:
+    from fullcg.backend import Backend
+
+__all__ = ["CompiledModel", "DirectDispatch", "MISS", "observed_runner_calls"]
 
 #: What :meth:`DirectDispatch.__call__` returns for a step that must go through Dynamo.
 MISS = object()
@@ -169,3 +176,59 @@ class DirectDispatch:
             if all(facts[i] == value for i, value in route.facts) and (admits is None or admits(n)):
                 return route
         return None
+
+
+class CompiledModel:
+    """A model compiled with fullcg whose token dimension is dynamic from the first step.
+
+    Dimension 0 of every tensor argument is the token dimension (the convention of models
+    built on ``fullcg.Attention``: ``input_ids [T]``, ``positions [T]``, hidden states
+    ``[T, H]``), marked dynamic before each call, so the first trace already serves every
+    token count and the second step never recompiles. Other dimensions stay static, so the
+    runner can pad and capture. Built by :func:`compile`.
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: Backend) -> None:
+        self.model = model
+        self.backend = backend
+        # Steps after Dynamo's first call of a graph skip Dynamo (fullcg.dispatch);
+        # debug_checks keeps every step on Dynamo's guards.
+        self._direct = None if backend.config.debug_checks else DirectDispatch(model, backend.runners)
+        self._positions = positions_argument(model) if backend.config.debug_checks else None
+        options = {"guard_filter_fn": self._direct.note_guards} if self._direct is not None else None
+        self._compiled = torch.compile(model, backend=backend, options=options)
+
+    @property
+    def config(self) -> FullCGConfig:
+        """The config every step runs under (the backend's)."""
+        return self.backend.config
+
+    @property
+    def runners(self) -> list[StepRunner]:
+        """One runner per graph compiled so far (each has a ``report``)."""
+        return self.backend.runners
+
+    def step_counts(self) -> collections.Counter[str]:
+        """This model's steps by how they ran (keys as :func:`fullcg.graph_mode_counts`)."""
+        return self.backend.counts.snapshot()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        direct = self._direct
+        if direct is not None and not kwargs:
+            out = direct(args)
+            if out is not MISS:
+                return out
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                torch._dynamo.mark_dynamic(value, 0)
+        if direct is None or kwargs:
+            if self.backend.config.debug_checks:
+                check_call_positions(self._positions, args, kwargs)
+            return self._compiled(*args, **kwargs)
+        with observed_runner_calls() as calls:
+            result = self._compiled(*args)
+        direct.learn(args, calls, result)
+        return result
+
+    def __repr__(self) -> str:
+        return f"fullcg.compile({type(self.model).__name__}, graph_mode={self.backend.config.graph_mode})"

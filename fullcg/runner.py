@@ -26,7 +26,7 @@ import torch
 
 from fullcg import cudagraph
 from fullcg.config import FullCGConfig, GraphMode
-from fullcg.context import ForwardContext, derived_context, get_forward_context
+from fullcg.context import ForwardContext, derived, derived_context, enter, get_forward_context, leave
 from fullcg.frontend import progress_bar
 from fullcg.ops.impl import AttentionImpl, resolve_implementation
 from fullcg.telemetry import StepCounts, counts_discarded, graph_mode_counts, model_counts, reset_graph_mode_counts
@@ -250,20 +250,26 @@ class StepRunner:
         return static
 
     def _replay_full(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
+        """Fill the static metadata of ``size``, plan the host side of attention, replay the
+        full graph of ``size`` and the batch kind (captured on first use)."""
         md = self._static(size, ctx).fill(ctx.metadata)
         key = (size, ctx.metadata.is_decode_only)
-        with derived_context(ctx, config=self.config, variant=GraphMode.FULL, padded_size=size, metadata=md) as static_ctx:
+        static_ctx = derived(ctx, config=self.config, variant=GraphMode.FULL, padded_size=size, metadata=md)
+        enter(static_ctx)
+        try:
             entry = self.full_graphs.get(key)
             if entry is None:
                 entry = self.full_graphs[key] = cudagraph.capture_graph(
                     self.full, staged, self.device, self.pool, before_capture=static_ctx.step.clear
                 )
-                # The implementations the captured attention calls resolved (per head dims):
-                # their host-side plans are refilled before every replay.
-                self._planners[key] = static_ctx.step.resolved()
+                # The implementations the captured attention calls resolved (per head dims)
+                # that plan on the host: their plans are refilled before every replay.
+                self._planners[key] = tuple(i for i in static_ctx.step.resolved() if type(i).plan is not AttentionImpl.plan)
             for impl in self._planners[key]:
                 impl.plan(static_ctx)
             entry.graph.replay()
+        finally:
+            leave()
         return entry.output
 
     def capture_all(self, args: tuple[Any, ...], ctx: ForwardContext) -> None:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import triton
 
+from fullcg.compat import current_device_index, current_raw_stream
+
 __all__ = ["Launcher", "PlannedLaunch", "raw_stream"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -61,7 +63,7 @@ def raw_stream(device: torch.device) -> int:
     """
     if device.type != "cuda":
         return 0
-    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    return current_raw_stream(torch.cuda.current_device())
 
 
 def _hooked() -> bool:
@@ -111,7 +113,7 @@ class Launcher:
         if kernel is None:
             self._compiled[key] = self._launch_jit(grid, args, constexprs, num_warps, num_stages)
             return
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        stream = current_raw_stream(device)
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *constexprs)
 
@@ -213,9 +215,7 @@ class Launcher:
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _current_device() -> int:
-    # torch.cuda.current_device() less its Python wrapper: called on every planned launch.
-    return torch._C._cuda_getDevice()
+_current_device = current_device_index  # called on every planned launch
 
 
 class PlannedLaunch:
@@ -259,7 +259,7 @@ class PlannedLaunch:
             if not functools.reduce(operator.or_, ptrs) & 15 and _current_device() == self.device_index:
                 grid = self.grid
                 launch, fixed = direct
-                launch(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index), *fixed,
+                launch(grid[0], grid[1], grid[2], current_raw_stream(self.device_index), *fixed,
                        *ptrs, *self.raw_tail)
                 return
         self.launcher.launch_keyed(self.grid, leading + self.tail, self.constexprs, self.num_warps, self.num_stages,
