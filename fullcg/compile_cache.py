@@ -18,7 +18,22 @@ and fullcg versions and the source files the graph was traced from. Inductor key
 entries on the graph it compiles, so a loaded artifact can never stand in for a different
 graph. Entries are written to a temporary file and renamed into place, so concurrent
 processes never see a half-written entry; a truncated, corrupt or unloadable one gives one
-warning and a recompile. :func:`cache_stats` counts hits, misses, stores and bad entries.
+warning and a recompile.
+
+Loading an entry runs the code in it, and Inductor runs what it finds in its directory, so
+both are trusted only as far as :mod:`fullcg.cache_trust` allows: the directories fullcg
+creates are mode 0700 and entries 0600; before an entry is read, the root, ``graphs/`` and
+the entry (the very file descriptor it is read from) must each be owned by you or root and
+writable by neither group nor others, and so must the root and ``inductor/`` before
+Inductor is pointed at it. An entry that fails is warned about once, left alone unless it
+is yours, and compiled anew; a directory that fails is neither read nor written (Inductor
+then works in a private directory of this process). ``trust_shared_cache=True`` (or
+``FULLCG_TRUST_SHARED_CACHE=1``) skips these checks for a cache shared on purpose. With a
+secret in ``FULLCG_CACHE_KEY`` every entry is signed (HMAC-SHA256 over its key and
+payload) and loaded only when the signature verifies, whoever wrote it; ``inductor/`` is
+still checked, since no key covers what Inductor writes there. :func:`cache_stats` counts
+hits, misses, stores, bad and untrusted entries, and sessions that gave Inductor a private
+directory.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -38,13 +54,17 @@ from typing import Any
 import torch
 import torch.fx
 
+from fullcg import cache_trust
+from fullcg.cache_trust import ENV_CACHE_KEY
 from fullcg.config import FullCGConfig
 from fullcg.errors import InvalidConfigError
 from fullcg.passes.piece_key import input_signature
 
 __all__ = [
     "ENV_CACHE_DIR",
+    "ENV_CACHE_KEY",
     "ENV_DISABLE_COMPILE_CACHE",
+    "ENV_TRUST_SHARED_CACHE",
     "DEFAULT_CACHE_DIR",
     "CompileCache",
     "cache_for",
@@ -56,11 +76,21 @@ __all__ = [
 
 ENV_CACHE_DIR = "FULLCG_CACHE_DIR"
 ENV_DISABLE_COMPILE_CACHE = "FULLCG_DISABLE_COMPILE_CACHE"
+ENV_TRUST_SHARED_CACHE = "FULLCG_TRUST_SHARED_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/fullcg"
 
-# Bump when the entry format or what an entry means changes.
-_FORMAT = 1
-_MAGIC = b"fullcg-compile-cache\n"
+# Bump when the entry format or what an entry means changes. The format is part of every
+# key, so an older process's entries are never even looked up: a clean miss.
+# 2: a signature line (HMAC-SHA256 under FULLCG_CACHE_KEY, or _UNSIGNED) after the checksum.
+_FORMAT = 2
+_MAGIC = f"fullcg-compile-cache {_FORMAT}\n".encode()
+_UNSIGNED = b"-" * 64
+# An entry is opened without blocking (a FIFO planted in its place must not hang the
+# process) and without leaking its descriptor into subprocesses Inductor starts.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_SHARE_HINT = ("to share a cache on purpose, see 'Caches and trust' in docs/configuration.md "
+               f"(trust_shared_cache=True or {ENV_TRUST_SHARED_CACHE}=1, or a signing key in {ENV_CACHE_KEY})")
 
 logger = logging.getLogger(__name__)
 _stats: collections.Counter[str] = collections.Counter()
@@ -70,13 +100,21 @@ _FILE_RE = re.compile(r'File "([^"]+)", line \d+')
 
 
 def cache_stats() -> collections.Counter[str]:
-    """Entries by outcome in this process: ``hit``, ``miss``, ``store``, ``bad`` (corrupt,
-    truncated or unloadable: warned about and recompiled)."""
+    """What the compile cache did in this process, by outcome.
+
+    Per entry looked up, one of ``hit``, ``miss``, ``bad`` (corrupt, truncated or
+    unloadable) and ``untrusted`` (it, or a directory above it, failed the ownership and
+    permission check, or with ``FULLCG_CACHE_KEY`` set its signature did not verify); the
+    last two are warned about and compiled anew. Also ``store`` per entry written, and
+    ``inductor_private`` per compile whose Inductor cache was a private directory of this
+    process because ``inductor/`` failed the check or could not be written.
+    """
     with _stats_lock:
         return collections.Counter(_stats)
 
 
 def reset_cache_stats() -> None:
+    """Forget the counts :func:`cache_stats` reports."""
     with _stats_lock:
         _stats.clear()
 
@@ -106,7 +144,9 @@ def cache_for(config: FullCGConfig) -> CompileCache | None:
 
     Off with ``FullCGConfig(compile_cache=False)``, with ``FULLCG_DISABLE_COMPILE_CACHE=1``
     (read at compile time), with ``compiler="eager"`` (nothing is compiled), or when the
-    torch in use cannot save and load cache artifacts.
+    torch in use cannot save and load cache artifacts. Like ``FULLCG_CACHE_DIR``,
+    ``FULLCG_TRUST_SHARED_CACHE`` (on when it or ``config.trust_shared_cache`` is) and
+    ``FULLCG_CACHE_KEY`` are read here, when a graph is compiled.
     """
     if not config.compile_cache or config.compiler == "eager" or _truthy_env(ENV_DISABLE_COMPILE_CACHE):
         return None
@@ -114,7 +154,8 @@ def cache_for(config: FullCGConfig) -> CompileCache | None:
         logger.info("fullcg: this torch (%s) cannot save compile cache artifacts; compile cache off", torch.__version__)
         return None
     root = config.cache_dir or os.environ.get(ENV_CACHE_DIR, "").strip() or DEFAULT_CACHE_DIR
-    return CompileCache(Path(root).expanduser())
+    trust_shared = config.trust_shared_cache or _truthy_env(ENV_TRUST_SHARED_CACHE)
+    return CompileCache(Path(root).expanduser(), trust_shared=trust_shared, secret=cache_trust.secret_from_env())
 
 
 def _package_versions() -> tuple[str, str]:
@@ -148,64 +189,176 @@ def _fullcg_sources() -> list[str]:
     return sorted(str(p) for p in root.rglob("*.py"))
 
 
-class CompileCache:
-    """fullcg's compile cache in directory ``root`` (see the module docstring)."""
+def _encode_entry(key: str, payload: bytes, secret: bytes | None) -> bytes:
+    """An entry's bytes: magic and format, key, SHA-256 of the payload (against truncation
+    and corruption), signature (against forgery: over the header and the payload, so a
+    signed payload cannot be moved to another key's entry), payload."""
+    header = _MAGIC + key.encode() + b"\n"
+    signature = cache_trust.sign(secret, header, payload).encode() if secret is not None else _UNSIGNED
+    return header + hashlib.sha256(payload).hexdigest().encode() + b"\n" + signature + b"\n" + payload
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+
+class CompileCache:
+    """fullcg's compile cache in directory ``root`` (see the module docstring).
+
+    ``trust_shared``: skip the ownership and permission checks (a cache shared on purpose)
+    and create directories and entries as the umask allows. ``secret``: sign every entry
+    written and load only entries whose signature verifies, whoever owns them (directories
+    and entries are then created as the umask allows too, for others to read).
+    """
+
+    def __init__(self, root: Path, *, trust_shared: bool = False, secret: bytes | None = None) -> None:
+        self.root = Path(root)
+        self.trust_shared = trust_shared
+        self.secret = secret
+        # With a key the signature vouches for an entry, so who owns its path does not matter.
+        self._check_entry_owners = not trust_shared and secret is None
+        self._shared_modes = trust_shared or secret is not None
+        # Keys whose load found that nothing may be written in their place (see store).
+        self._keep_out: set[str] = set()
 
     def key(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, pass_uuid: str) -> str:
         """The entry key of compiling ``gm`` under ``config``: everything the result depends on."""
-        # Where dumps and the cache go does not change what is compiled.
-        relevant = config.replace(dump_dir=None, cache_dir=None)
+        # Where dumps and the cache go, and whom the cache trusts, do not change what is compiled.
+        relevant = config.replace(dump_dir=None, cache_dir=None, trust_shared_cache=False)
         sources = [(f, _file_digest(f)) for f in sorted({*traced_source_files(gm), *_fullcg_sources()})]
         text = repr((_FORMAT, pass_uuid, repr(relevant), _package_versions(), gm.code,
                      input_signature(example_inputs), sources))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def entry_path(self, key: str) -> Path:
+        """Where entry ``key`` lives."""
         return self.root / "graphs" / f"{key}.bin"
 
     def load(self, key: str) -> bool:
-        """Load entry ``key`` into torch's caches; False (after one warning) when it is bad."""
+        """Load entry ``key`` into torch's caches. False on a miss, and (after one warning)
+        for an entry that is bad or not trusted."""
+        hit, may_store = self._lookup(key)
+        if may_store or hit:
+            self._keep_out.discard(key)
+        else:
+            self._keep_out.add(key)
+        return hit
+
+    def _lookup(self, key: str) -> tuple[bool, bool]:
+        """:meth:`load`, and whether a fresh entry may be written in its place after a miss:
+        never under an untrusted directory, nor over a refused file that is not ours."""
         path = self.entry_path(key)
+        if self._check_entry_owners:
+            problem = cache_trust.check_path(self.root, path.parent)
+            if problem is not None:
+                _count("untrusted")
+                self._warn_directory(problem)
+                return False, False
         try:
-            data = path.read_bytes()
+            fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
             _count("miss")
-            return False
+            return False, True
         except OSError as exc:
-            return self._bad(path, f"unreadable ({exc})")
-        header = _MAGIC + key.encode() + b"\n"
-        if not data.startswith(header) or len(data) < len(header) + 65:
-            return self._bad(path, "truncated or not a fullcg cache entry")
-        digest, payload = data[len(header):len(header) + 64], data[len(header) + 65:]
+            return False, self._bad(path, f"unreadable ({exc}: let this user read the cache, or give it a cache of "
+                                          "its own)", self._replaceable(path))
+        # Judged on the descriptor that is read: a file swapped in after a check of the path
+        # would otherwise be loaded unchecked.
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            replaceable = self.trust_shared or cache_trust.owned_by_me(st)
+            if not stat.S_ISREG(st.st_mode):
+                return False, self._bad(path, "not a regular file", replaceable)
+            if self._check_entry_owners and (why := cache_trust.why_untrusted(st)) is not None:
+                return False, self._refuse(path, why, self._fix_for(path, why), replaceable)
+            data = f.read()
+        fields = data.split(b"\n", 4)
+        if (len(fields) < 5 or fields[0] + b"\n" != _MAGIC or fields[1] != key.encode() or len(fields[2]) != 64
+                or len(fields[3]) != 64):
+            return False, self._bad(path, "truncated or not a fullcg cache entry", replaceable)
+        digest, signature, payload = fields[2], fields[3], fields[4]
         if hashlib.sha256(payload).hexdigest().encode() != digest:
-            return self._bad(path, "corrupt (checksum mismatch)")
+            return False, self._bad(path, "corrupt (checksum mismatch)", replaceable)
+        if self.secret is not None and not cache_trust.verify(self.secret, signature, _MAGIC + key.encode() + b"\n",
+                                                              payload):
+            why = f"not signed with the key in {ENV_CACHE_KEY} (unsigned, altered, or signed with another key)"
+            return False, self._refuse(path, why, "remove it; entries written while the key is set are signed",
+                                       replaceable)
         try:
             info = torch.compiler.load_cache_artifacts(payload)
         except Exception as exc:  # a torch that cannot read it: recompile rather than fail
-            return self._bad(path, f"not loadable by torch {torch.__version__} ({type(exc).__name__}: {exc})")
+            return False, self._bad(path, f"not loadable by torch {torch.__version__} ({type(exc).__name__}: {exc})",
+                                    replaceable)
         if info is None:
-            return self._bad(path, "not loadable (torch could not deserialize its artifacts)")
+            return False, self._bad(path, "not loadable (torch could not deserialize its artifacts)", replaceable)
         _count("hit")
         logger.info("fullcg: compile cache hit: %s", path)
-        return True
+        return True, False
 
-    def _bad(self, path: Path, why: str) -> bool:
+    def _replaceable(self, path: Path) -> bool:
+        """Whether fullcg may delete or overwrite the entry at ``path``: when it is ours, or
+        when the cache is shared on purpose."""
+        if self.trust_shared:
+            return True
+        try:
+            return cache_trust.owned_by_me(os.lstat(path))
+        except OSError:
+            return False
+
+    def _bad(self, path: Path, why: str, replaceable: bool) -> bool:
         _count("bad")
-        _warn_once(path, "fullcg: compile cache entry %s is %s; compiling anew and replacing it", path, why)
-        with contextlib.suppress(OSError):
-            path.unlink()
-        return False
+        if replaceable:
+            _warn_once(path, "fullcg: compile cache entry %s is %s; compiling anew and replacing it", path, why)
+            with contextlib.suppress(OSError):
+                path.unlink()
+        else:
+            _warn_once(path, "fullcg: compile cache entry %s is %s; compiling anew (it is left in place: it is not "
+                       "yours to replace)", path, why)
+        return replaceable
+
+    def _refuse(self, path: Path, why: str, fix: str, replaceable: bool) -> bool:
+        """An entry that failed the trust check: ignored, and deleted only when it is ours."""
+        _count("untrusted")
+        what = "compiling anew and replacing it" if replaceable else "compiling anew and leaving it in place"
+        _warn_once(path, "fullcg: not trusting compile cache entry %s: it is %s, and loading an entry runs the code in "
+                   "it; %s. To fix: %s; %s", path, why, what, fix, _SHARE_HINT)
+        if replaceable:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return replaceable
+
+    def _fix_for(self, path: Path, why: str) -> str:
+        if why.startswith("writable"):
+            return f"make it writable only by its owner (chmod go-w {path})"
+        return (f"remove it, or keep the cache where only you can write (FullCGConfig(cache_dir=...) or "
+                f"{ENV_CACHE_DIR})")
+
+    def _warn_directory(self, problem: cache_trust.Untrusted) -> None:
+        """One warning for a cache directory that failed the trust check, saying what of the
+        cache that costs: a directory under ``graphs/`` its entries, one under ``inductor/``
+        Inductor's kernels, the root both."""
+        part = problem.path.relative_to(self.root).parts[:1]
+        if not part:
+            effect = ("nothing in it is read or written: graphs are compiled anew, and Inductor caches in a private "
+                      "directory of this process")
+        elif part[0] == "inductor":
+            effect = "Inductor caches in a private directory of this process instead, compiling its kernels anew"
+        else:
+            effect = "no entry in it is read or written: graphs are compiled anew"
+        _warn_once(problem.path, "fullcg: not trusting compile cache directory %s: it is %s, and loading from a cache "
+                   "runs the code in it; %s. To fix: %s; %s", problem.path, problem.reason, effect,
+                   self._fix_for(problem.path, problem.reason), _SHARE_HINT)
 
     def discard(self, key: str) -> None:
-        """Remove entry ``key`` (it loaded, but compiling from it failed)."""
-        with contextlib.suppress(OSError):
-            self.entry_path(key).unlink()
+        """Remove entry ``key`` (it loaded, but compiling from it failed), when it is ours to remove."""
+        path = self.entry_path(key)
+        if self._replaceable(path):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def store(self, key: str) -> None:
-        """Write the artifacts recorded since :meth:`session` began as entry ``key``."""
+        """Write the artifacts recorded since :meth:`session` began as entry ``key``; nothing
+        when :meth:`load` found its place untrusted (under a directory that failed the check,
+        or taken by a refused file that is not ours)."""
+        if key in self._keep_out:
+            logger.info("fullcg: compile cache entry %s not stored: its place is not trusted", self.entry_path(key))
+            return
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             logger.info("fullcg: compiling produced no cache artifacts; nothing stored")
@@ -213,13 +366,15 @@ class CompileCache:
         payload = saved[0]
         path = self.entry_path(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            cache_trust.make_cache_dir(path.parent, shared=self._shared_modes)
             # Temp file + rename: a concurrent reader sees the old entry or the new one, never half.
+            # mkstemp creates it 0600, the private mode.
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:16]}.", suffix=".tmp")
             try:
+                if self._shared_modes:
+                    os.fchmod(fd, cache_trust.entry_mode(shared=True))
                 with os.fdopen(fd, "wb") as f:
-                    f.write(_MAGIC + key.encode() + b"\n" + hashlib.sha256(payload).hexdigest().encode() + b"\n")
-                    f.write(payload)
+                    f.write(_encode_entry(key, payload, self.secret))
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -231,35 +386,69 @@ class CompileCache:
         _count("store")
         logger.info("fullcg: compile cache stored: %s (%d bytes)", path, len(payload))
 
+    def inductor_dir(self) -> Path:
+        """The directory this cache hands to Inductor as its cache directory: ``inductor/``
+        under the root when it passes the trust check (or the cache is shared on purpose)
+        and can be written; else a private directory of this process (warned about when
+        untrusted: no signing key covers what Inductor writes there)."""
+        wanted = self.root / "inductor"
+        # Checked before creating it (nothing is made inside an untrusted root) and after
+        # (whoever made it first, this process or another).
+        for _ in range(2):
+            problem = None if self.trust_shared else cache_trust.check_path(self.root, wanted)
+            if problem is not None:
+                self._warn_directory(problem)
+                return self._private_inductor_dir()
+            if os.path.isdir(wanted):  # False, not an error, where it cannot even be looked at
+                break
+            try:
+                cache_trust.make_cache_dir(wanted, shared=self._shared_modes)
+            except OSError as exc:
+                logger.info("fullcg: cannot create %s (%s); Inductor caches in a private directory of this process",
+                            wanted, exc)
+                return self._private_inductor_dir()
+        # As the effective user, the one whose files Inductor will write (and the one checked above).
+        effective = os.access in os.supports_effective_ids
+        if not os.access(wanted, os.W_OK | os.X_OK, effective_ids=effective):  # a read-only cache baked into an image
+            logger.info("fullcg: %s is read-only; Inductor caches in a private directory of this process", wanted)
+            return self._private_inductor_dir()
+        return wanted
+
+    @staticmethod
+    def _private_inductor_dir() -> Path:
+        _count("inductor_private")
+        return cache_trust.private_dir("inductor")
+
     @contextlib.contextmanager
     def session(self, key: str) -> Iterator[bool]:
         """Compile inside this: loads entry ``key`` (yields whether it was a hit), points
-        Inductor's cache directory into the cache, and stores the entry after a miss."""
-        with _inductor_cache_dir(self.root / "inductor"), _fresh_artifact_record():
+        Inductor's cache directory into the cache (:meth:`inductor_dir`), and stores the
+        entry after a miss (where :meth:`store` may)."""
+        with self._inductor_cache_dir(), _fresh_artifact_record():
             hit = self.load(key)
             yield hit
             if not hit:
                 self.store(key)
 
+    @contextlib.contextmanager
+    def _inductor_cache_dir(self) -> Iterator[None]:
+        """Inductor's cache directory is :meth:`inductor_dir` inside, unless the user chose
+        one (theirs to choose, and to trust)."""
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-@contextlib.contextmanager
-def _inductor_cache_dir(directory: Path) -> Iterator[None]:
-    """Inductor's cache directory is ``directory`` inside, unless the user chose one."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    # Inductor writes its default into the environment on first use: that is not a choice.
-    if current is not None and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
-        yield
-        return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
-    try:
-        yield
-    finally:
-        if current is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = current
+        current = os.environ.get(_INDUCTOR_ENV)
+        # Inductor writes its default into the environment on first use: that is not a choice.
+        if current is not None and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+            yield
+            return
+        os.environ[_INDUCTOR_ENV] = str(self.inductor_dir())
+        try:
+            yield
+        finally:
+            if current is None:
+                os.environ.pop(_INDUCTOR_ENV, None)
+            else:
+                os.environ[_INDUCTOR_ENV] = current
 
 
 @contextlib.contextmanager

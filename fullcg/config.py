@@ -293,6 +293,12 @@ class FullCGConfig:
             process (:mod:`fullcg.compile_cache`); off also with ``FULLCG_DISABLE_COMPILE_CACHE=1``.
         cache_dir: where the compile cache lives; None = ``$FULLCG_CACHE_DIR``, else
             ``~/.cache/fullcg`` (resolved when a graph is compiled).
+        trust_shared_cache: load compile cache entries, and hand Inductor its cache
+            directory, even where they are owned by another user or writable by others
+            (a cache shared on purpose: whoever can write to it can run code in this
+            process); on also with ``FULLCG_TRUST_SHARED_CACHE=1`` (read when a graph is
+            compiled). Off, only what you or root own and nobody else can write is used
+            (:mod:`fullcg.cache_trust`).
     """
 
     attention_impl: str = "auto"
@@ -309,6 +315,7 @@ class FullCGConfig:
     auto_full_max_tokens: int | None = 128
     compile_cache: bool = True
     cache_dir: str | None = None
+    trust_shared_cache: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
@@ -359,6 +366,11 @@ class FullCGConfig:
         for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.trust_shared_cache, bool):
+            raise ConfigTypeError(
+                f"trust_shared_cache must be True or False (FULLCG_TRUST_SHARED_CACHE=1 also turns it on), "
+                f"got {self.trust_shared_cache!r}"
+            )
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ConfigTypeError(f"dump_dir must be a path or None, got {self.dump_dir!r}")
         if self.cache_dir is not None:

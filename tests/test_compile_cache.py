@@ -3,7 +3,6 @@ warning and a recompile, never a crash or a wrong result; concurrent processes b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -97,8 +96,7 @@ def test_an_entry_torch_cannot_read_is_a_warning_not_a_crash(tmp_path, caplog):
     payload = b"not torch cache artifacts"
     path = cache.entry_path(key)
     path.parent.mkdir(parents=True)
-    path.write_bytes(b"fullcg-compile-cache\n" + key.encode() + b"\n" + hashlib.sha256(payload).hexdigest().encode()
-                     + b"\n" + payload)
+    path.write_bytes(compile_cache._encode_entry(key, payload, secret=None))
     compile_cache.reset_cache_stats()
     assert not cache.load(key)
     assert compile_cache.cache_stats() == {"bad": 1}
@@ -125,11 +123,12 @@ def _graph() -> torch.fx.GraphModule:
     return torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
 
 
-def test_the_key_covers_config_pass_uuid_and_inputs_but_not_where_files_go(tmp_path):
+def test_the_key_covers_config_pass_uuid_and_inputs_but_not_where_files_go_or_whom_they_trust(tmp_path):
     cache, gm, x = CompileCache(tmp_path), _graph(), torch.zeros(2, 4)
     base = fullcg.FullCGConfig()
     key = cache.key(gm, [x], base, "uuid-a")
-    assert cache.key(gm, [x], base.replace(dump_dir=str(tmp_path), cache_dir=str(tmp_path)), "uuid-a") == key
+    assert cache.key(gm, [x], base.replace(dump_dir=str(tmp_path), cache_dir=str(tmp_path), trust_shared_cache=True),
+                     "uuid-a") == key
     assert cache.key(gm, [x], base.replace(graph_mode="piecewise"), "uuid-a") != key
     assert cache.key(gm, [x], base.replace(skip_softmax={"prefill_scale_factor": 1.0}), "uuid-a") != key
     assert cache.key(gm, [x], base, "uuid-b") != key
