@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from fullcg.compat import env_reader
 from fullcg.errors import ConfigTypeError, InvalidConfigError
 
 __all__ = [
@@ -421,20 +422,15 @@ class FullCGConfig:
 #: Every variable :meth:`FullCGConfig.from_env` reads.
 ENV_VARS = (ENV_SKIP_SOFTMAX_PREFILL, ENV_SKIP_SOFTMAX_DECODE, ENV_ATTENTION_IMPL, ENV_GRAPH_MODE, ENV_COMPILER,
             ENV_DUMP_DIR, ENV_DEBUG_CHECKS)
-_env_configs: dict[tuple[object, ...], FullCGConfig] = {}
-# os.environ.get encodes the name and raises and catches KeyError for an unset variable
-# (about 2 us each); its underlying dict, keyed by encoded names, answers in a tenth of that.
-_env_get, _env_keys = (
-    (os.environ._data.get, tuple(map(os.environ.encodekey, ENV_VARS))) if hasattr(os.environ, "_data")
-    else (os.environ.get, ENV_VARS)
-)
+_env_configs: dict[tuple[object, ...], FullCGConfig] = {}  # a cache: one config per set of values
+_read_env = env_reader(ENV_VARS)
 
 
 def env_config() -> FullCGConfig:
     """``FullCGConfig.from_env()`` for the environment as it is now, built once per distinct
     set of values: a step's context entry without a config calls it, and building a config
     costs tens of microseconds where looking the variables up costs one or two."""
-    key = tuple(map(_env_get, _env_keys))
+    key = _read_env()
     config = _env_configs.get(key)
     if config is None:
         config = _env_configs[key] = FullCGConfig.from_env()
