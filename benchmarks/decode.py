@@ -69,8 +69,11 @@ def time_ms(fn, repeats: int) -> float:
 
 def captured_full_graph(backend: fullcg.Backend, batch: int):
     """``replay`` of the decode-only full graph a step of ``batch`` tokens ran, if captured."""
+    import fullcg.runner
+
+    padded_size = getattr(fullcg.runner, "padded_size", None) or fullcg.cudagraph.padded_size  # older fullcg
     for runner in backend.runners:
-        size = fullcg.cudagraph.padded_size(batch, runner.sizes)
+        size = padded_size(batch, runner.sizes)
         entry = runner.full_graphs.get((size, True)) if size is not None else None
         if entry is not None:
             return entry.graph.replay

@@ -31,14 +31,14 @@ from fullcg.frontend import device_of, note_device
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.errors import ConfigTypeError, FullCGError, InvalidConfigError, through_dynamo
-from fullcg.cudagraph import BridgedPiece, CapturedPiece, InputStager
+from fullcg.cudagraph import BridgedPiece, CapturedPiece
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.eager_capture import EagerCaptureModel
 from fullcg.passes import AttributesPass, PassManager, SplitGraph, SplitPointsPass, split_graph
 from fullcg.passes.piece_key import piece_key
 from fullcg.passes.split import Piece, reads_host_plan
 from fullcg.dispatch import CompiledModel
-from fullcg.runner import PieceCall, StepRunner
+from fullcg.runner import InputStager, PieceCall, StepRunner
 from fullcg.telemetry import StepCounts, model_counts
 
 __all__ = ["Backend", "CompiledModel", "compile", "fullcg_backend"]

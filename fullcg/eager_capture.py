@@ -47,7 +47,7 @@ from fullcg.errors import InvalidConfigError
 from fullcg.frontend import device_of, note_device
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.passes.split import is_split_target, reads_host_plan
-from fullcg.runner import StepRunner
+from fullcg.runner import InputStager, StepRunner
 from fullcg.telemetry import counts_discarded, model_counts
 
 __all__ = ["Graphs", "CudaGraphs", "SegmentedGraph", "EagerCaptureModel", "launches_nothing"]
@@ -467,7 +467,7 @@ def _arg_key(index: int, value: Any) -> Hashable:
     return value
 
 
-def _stager(args: Sequence[Any], config: FullCGConfig) -> cudagraph.InputStager | None:
+def _stager(args: Sequence[Any], config: FullCGConfig) -> InputStager | None:
     """Persistent zero buffers of the largest capture size for every tensor argument
     (dimension 0 is the token count), as the compiled path makes for its token inputs."""
     token_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -477,7 +477,7 @@ def _stager(args: Sequence[Any], config: FullCGConfig) -> cudagraph.InputStager 
     with torch.inference_mode(False):  # persistent: written by every step, whatever its mode
         buffers = {i: torch.zeros((largest, *args[i].shape[1:]), dtype=args[i].dtype, device=args[i].device)
                    for i in token_args}
-    return cudagraph.InputStager(token_args, [], buffers, config.sizes_to_capture)  # no guards: every size
+    return InputStager(token_args, [], buffers, config.sizes_to_capture)  # no guards: every size
 
 
 def _report(config: FullCGConfig, device: torch.device, probe: _Probe | None, name: str) -> str:

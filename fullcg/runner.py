@@ -17,9 +17,10 @@ variant alone (:mod:`fullcg.passes.split` defines the split points).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from fullcg.ops.impl import AttentionImpl, resolve_implementation
 from fullcg.telemetry import StepCounts, counts_discarded, graph_mode_counts, model_counts, reset_graph_mode_counts
 
 __all__ = [
-    "StepRunner", "PieceCall", "observed_runner_calls", "graph_mode_counts", "reset_graph_mode_counts",
+    "StepRunner", "InputStager", "PieceCall", "padded_size", "observed_runner_calls", "graph_mode_counts", "reset_graph_mode_counts",
     "request_capture", "capture",
 ]
 
@@ -71,6 +72,58 @@ def _take_capture_request() -> bool:
     requested = getattr(_capture, "requested", False)
     _capture.requested = False
     return requested
+
+
+def padded_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
+    """The smallest capture size >= ``num_tokens``; None when the batch is too large."""
+    i = bisect.bisect_left(sizes, num_tokens)
+    return sizes[i] if i < len(sizes) else None
+
+
+class InputStager:
+    """Copies a step's token inputs into persistent buffers of the largest capture size.
+
+    ``token_args`` are the positions of tensor inputs whose first dimension is the token
+    count; ``size_args`` the positions of symbolic-int inputs (that count, as an int).
+    Other inputs (weights) already live at fixed addresses. ``sizes`` are the capture sizes
+    the graph may run padded to; ``admits`` says whether the graph may run at a token count
+    (what its guards admit, see :func:`fullcg.backend.token_count_guard`; None: any).
+    """
+
+    def __init__(self, token_args: list[int], size_args: list[int], buffers: dict[int, torch.Tensor],
+                 sizes: tuple[int, ...], admits: Callable[[int], bool] | None = None) -> None:
+        self.token_args = token_args
+        self.size_args = size_args
+        self.buffers = buffers
+        self.sizes = sizes
+        self.admits = admits
+
+    def num_tokens(self, args: Sequence[Any]) -> int | None:
+        if not self.token_args:
+            return None
+        n = args[self.token_args[0]].shape[0]
+        if any(args[i].shape[0] != n for i in self.token_args) or any(args[i] != n for i in self.size_args):
+            return None  # inputs with different token counts: not a shape this runner can pad
+        return n
+
+    def stage(self, args: Sequence[Any], n: int, size: int) -> list[Any]:
+        staged = list(args)
+        for i in self.token_args:
+            buf = self.buffers[i]
+            buf[:n].copy_(args[i])
+            staged[i] = buf[:size]
+        for i in self.size_args:
+            staged[i] = size
+        return staged
+
+    def dummy(self, args_like: Sequence[Any], size: int) -> list[Any]:
+        """Inputs of ``size`` tokens for capturing up front: the buffers as they are (zeros at first)."""
+        staged = list(args_like)
+        for i in self.token_args:
+            staged[i] = self.buffers[i][:size]
+        for i in self.size_args:
+            staged[i] = size
+        return staged
 
 
 class PieceCall:
@@ -113,7 +166,7 @@ class StepRunner:
         full: Callable[..., Any] | None,
         device: torch.device,
         pool: Any = None,
-        stager: cudagraph.InputStager | None = None,
+        stager: InputStager | None = None,
         token_outputs: tuple[bool, ...] | None = None,
         full_capturable: bool = True,
         counts: StepCounts | None = None,
@@ -221,7 +274,7 @@ class StepRunner:
         """(variant, real tokens, capture size) of the step; the size is None when the step
         runs uncaptured."""
         n = self.stager.num_tokens(args) if self.captures else None
-        size = cudagraph.padded_size(n, self.sizes) if n is not None else None
+        size = padded_size(n, self.sizes) if n is not None else None
         variant = self.choose(ctx.metadata.is_decode_only, size or n or ctx.metadata.num_tokens)
         if size is not None and variant is GraphMode.FULL:
             if not self.full_capture_ok():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fullcg
-from fullcg import cudagraph
+from fullcg import cudagraph, runner
 from fullcg.ops.impl import AttentionImpl, register_implementation
 from fullcg.runner import StepRunner
 from batches import make_batch
@@ -17,7 +17,7 @@ from batches import make_batch
 def test_batches_pad_to_the_next_capture_size_and_larger_ones_run_uncaptured():
     sizes = fullcg.FullCGConfig(max_capture_size=64).sizes_to_capture
     assert sizes[:4] == (1, 2, 4, 8) and sizes[-1] == 64
-    assert [cudagraph.padded_size(n, sizes) for n in (1, 3, 4, 9, 64, 65)] == [1, 4, 4, 16, 64, None]
+    assert [runner.padded_size(n, sizes) for n in (1, 3, 4, 9, 64, 65)] == [1, 4, 4, 16, 64, None]
 
 
 def test_a_graph_captures_only_the_token_counts_its_guards_admit():
@@ -58,7 +58,7 @@ def test_a_graph_captures_only_the_token_counts_its_guards_admit():
 
 def test_inputs_are_staged_into_fixed_buffers_and_size_inputs_become_the_padded_size():
     buffers = {0: torch.zeros(16, dtype=torch.long), 2: torch.zeros(16, 3)}
-    stager = cudagraph.InputStager([0, 2], [1], buffers, (1, 2, 4, 8, 16))
+    stager = runner.InputStager([0, 2], [1], buffers, (1, 2, 4, 8, 16))
     ids, hidden = torch.arange(1, 6), torch.ones(5, 3)
     weight = torch.randn(3, 3)
     assert stager.num_tokens([ids, 5, hidden, weight]) == 5
