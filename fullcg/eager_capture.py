@@ -110,14 +110,14 @@ class Graphs(Protocol):
 class CudaGraphs:
     """Segments as CUDA graphs in one pool, captured on a side stream, replayed on the current one.
 
-    Cheaper per segment than ``torch.cuda.graph``, which empties the allocator's cache at
-    every capture: a 32-layer model has 33 segments per size.
+    Captured through :func:`fullcg.cudagraph.begin_capture`, as the compiled path's graphs
+    are: cheaper per segment than ``torch.cuda.graph``, which empties the allocator's cache
+    at every capture (a 32-layer model has 33 segments per size).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(device)  # CUDA graphs cannot be captured on the default stream
         self._capturing: contextlib.ExitStack | None = None
 
     def synchronize(self) -> None:
@@ -125,17 +125,7 @@ class CudaGraphs:
 
     def begin(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
-        # The capture follows the current device: make it the tensors' device.
-        self._capturing = contextlib.ExitStack()
-        self._capturing.enter_context(torch.cuda.device(self.device))
-        self._capturing.enter_context(torch.cuda.stream(self._stream))
-        try:
-            # Thread-local: another thread's CUDA calls (a second model stepped beside this
-            # one) must not invalidate this capture.
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-        except BaseException:
-            self._leave_stream()
-            raise
+        self._capturing = cudagraph.begin_capture(graph, self.device, self.pool)
         return graph
 
     def end(self, graph: torch.cuda.CUDAGraph, launched: bool) -> torch.cuda.CUDAGraph:
@@ -143,31 +133,21 @@ class CudaGraphs:
         # bypass torch's dispatcher (a raw Triton launch) are invisible to `launched`, and
         # an empty graph's replay costs microseconds. `launched` only silences torch's
         # warning about an empty capture where one is expected.
-        try:
-            with warnings.catch_warnings():
-                if not launched:
-                    warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-                graph.capture_end()
-        finally:
-            self._leave_stream()
+        capturing, self._capturing = self._capturing, None
+        with warnings.catch_warnings():
+            if not launched:
+                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            cudagraph.end_capture(graph, capturing)
         graph.replay()
         return graph
 
     def abort(self, graph: torch.cuda.CUDAGraph) -> None:
-        try:
-            graph.capture_end()
-        except Exception:  # the capture was invalidated by the error being raised
-            pass
-        finally:
-            self._leave_stream()
+        capturing, self._capturing = self._capturing, None
+        if capturing is not None:
+            cudagraph.end_capture(graph, capturing, failed=True)
 
     def replay(self, graph: torch.cuda.CUDAGraph) -> None:
         graph.replay()
-
-    def _leave_stream(self) -> None:
-        ctx, self._capturing = self._capturing, None
-        if ctx is not None:
-            ctx.close()
 
 
 @dataclasses.dataclass(eq=False, slots=True)
