@@ -19,7 +19,7 @@ memory pool, so a step of another size may reuse an output's memory as scratch).
 
 from __future__ import annotations
 
-import bisect
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -34,17 +34,11 @@ from fullcg.metadata import AttentionMetadata, ForwardMode
 from fullcg.telemetry import counts_discarded
 
 __all__ = [
-    "CapturedPiece", "BridgedPiece", "StaticMetadata", "StaticTables", "InputStager", "padded_size", "capture_graph",
+    "CapturedPiece", "BridgedPiece", "StaticMetadata", "StaticTables", "capture_graph", "begin_capture", "end_capture",
     "dummy_metadata", "tensor_ptrs", "copy_into",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def padded_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
-    """The smallest capture size >= ``num_tokens``; None when the batch is too large."""
-    i = bisect.bisect_left(sizes, num_tokens)
-    return sizes[i] if i < len(sizes) else None
 
 
 def tensor_ptrs(values: Sequence[Any]) -> tuple[int, ...]:
@@ -93,23 +87,50 @@ def capture_graph(
 
 def _capture_into(graph: torch.cuda.CUDAGraph, fn: Callable[..., Any], args: Sequence[Any], device: torch.device,
                   pool: Any) -> Any:
-    # What torch.cuda.graph() does, less emptying the allocator's cache at every capture:
-    # capturing all sizes makes hundreds of captures (pieces x sizes), and emptying would
-    # free and re-allocate the warm-up's memory before each one.
-    with torch.cuda.device(device), torch.cuda.stream(_capture_stream(device)):
+    capturing = begin_capture(graph, device, pool)
+    try:
+        output = fn(*args)
+    except BaseException:
+        end_capture(graph, capturing, failed=True)
+        raise
+    end_capture(graph, capturing)
+    return output
+
+
+def begin_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool: Any) -> contextlib.ExitStack:
+    """Begin capturing into ``graph`` (in ``pool``) on this thread's capture stream for
+    ``device``; :func:`end_capture` ends it. Both front ends capture through these two.
+
+    What ``torch.cuda.graph()`` does, less emptying the allocator's cache at every capture:
+    capturing all sizes makes hundreds of captures (pieces x sizes, or segments x sizes),
+    and emptying would free and re-allocate the warm-up's memory before each one.
+    """
+    on_stream = contextlib.ExitStack()
+    on_stream.enter_context(torch.cuda.device(device))
+    on_stream.enter_context(torch.cuda.stream(_capture_stream(device)))
+    try:
         # Thread-local: another thread's CUDA calls (a second model stepped beside this
         # one) must not invalidate this capture.
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            output = fn(*args)
-        except BaseException:
+    except BaseException:
+        on_stream.close()
+        raise
+    return on_stream
+
+
+def end_capture(graph: torch.cuda.CUDAGraph, on_stream: contextlib.ExitStack, *, failed: bool = False) -> None:
+    """End the capture :func:`begin_capture` began; ``failed``: an error is being raised,
+    and nothing of the capture is kept."""
+    try:
+        if not failed:
+            graph.capture_end()
+        else:
             try:
                 graph.capture_end()
             except Exception:  # the capture was invalidated by the error being raised
                 pass
-            raise
-        graph.capture_end()
-    return output
+    finally:
+        on_stream.close()
 
 
 _capture_streams = threading.local()
@@ -194,52 +215,6 @@ def copy_into(dst: Any, src: Any) -> None:
     elif isinstance(dst, (tuple, list)):
         for d, s in zip(dst, src):
             copy_into(d, s)
-
-
-class InputStager:
-    """Copies a step's token inputs into persistent buffers of the largest capture size.
-
-    ``token_args`` are the positions of tensor inputs whose first dimension is the token
-    count; ``size_args`` the positions of symbolic-int inputs (that count, as an int).
-    Other inputs (weights) already live at fixed addresses. ``sizes`` are the capture sizes
-    the graph may run padded to; ``admits`` says whether the graph may run at a token count
-    (what its guards admit, see :func:`fullcg.backend.token_count_guard`; None: any).
-    """
-
-    def __init__(self, token_args: list[int], size_args: list[int], buffers: dict[int, torch.Tensor],
-                 sizes: tuple[int, ...], admits: Callable[[int], bool] | None = None) -> None:
-        self.token_args = token_args
-        self.size_args = size_args
-        self.buffers = buffers
-        self.sizes = sizes
-        self.admits = admits
-
-    def num_tokens(self, args: Sequence[Any]) -> int | None:
-        if not self.token_args:
-            return None
-        n = args[self.token_args[0]].shape[0]
-        if any(args[i].shape[0] != n for i in self.token_args) or any(args[i] != n for i in self.size_args):
-            return None  # inputs with different token counts: not a shape this runner can pad
-        return n
-
-    def stage(self, args: Sequence[Any], n: int, size: int) -> list[Any]:
-        staged = list(args)
-        for i in self.token_args:
-            buf = self.buffers[i]
-            buf[:n].copy_(args[i])
-            staged[i] = buf[:size]
-        for i in self.size_args:
-            staged[i] = size
-        return staged
-
-    def dummy(self, args_like: Sequence[Any], size: int) -> list[Any]:
-        """Inputs of ``size`` tokens for capturing up front: the buffers as they are (zeros at first)."""
-        staged = list(args_like)
-        for i in self.token_args:
-            staged[i] = self.buffers[i][:size]
-        for i in self.size_args:
-            staged[i] = size
-        return staged
 
 
 class StaticTables:
@@ -354,13 +329,10 @@ class StaticMetadata:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self._device))  # the copy's stream
         self.tables.fill(md)
-        # The batch with its device fields swapped for these buffers. A shallow copy, not
-        # dataclasses.replace: that re-runs __init__, a measurable part of a replay's host time.
-        # Cached properties come along; they must derive from host fields only.
-        static = object.__new__(AttentionMetadata)
-        static.__dict__.update(md.__dict__)
-        static.__dict__.update(self._device_fields)
-        return static
+        # The batch over these buffers: its host fields and host-derived values as they are
+        # (with_device_tensors checks nothing again: replace() would, at a measurable part
+        # of a replay's host time).
+        return md.with_device_tensors(**self._device_fields)
 
 
 def dummy_metadata(size: int, decode_only: bool, page_size: int, device: torch.device) -> AttentionMetadata:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
+import itertools
+import operator
 import threading
 from collections.abc import Sequence
 
@@ -99,21 +100,37 @@ def _modes_and_flags(
     q: np.ndarray,
     p: np.ndarray,
     decode_only: bool,
-) -> tuple[tuple[ForwardMode, ...], np.ndarray]:
-    """:func:`_modes`, and which requests decode (``bool [R]``), without a Python step per request
-    when the modes are derived or given as derived (other given modes are checked one by one)."""
+) -> tuple[tuple[ForwardMode, ...], np.ndarray, bool, bool]:
+    """:func:`_modes`, which requests decode (``bool [R]``), whether all do and whether some
+    does, without a Python step per request when the modes are derived or given as derived
+    (other given modes are checked one by one). ``decode_only``: every request has one new
+    token on a prefix (so its derived mode is decode)."""
     if decode_only:
         derived = (ForwardMode.DECODE,) * len(q_lens)
-        flags = np.ones(len(q_lens), dtype=np.bool_)
+        flags = np.empty(len(q_lens), dtype=np.bool_)
+        flags.fill(True)  # np.ones, at half its cost (it is Python code around these two calls)
+        some = True
     else:
         has_prefix = p > 0
         flags = has_prefix & (q == 1)
-        code = has_prefix.astype(np.int8) + (has_prefix ^ flags)  # 0 prefill, 1 decode, 2 extend
-        derived = tuple(map(_MODE_OF_CODE.__getitem__, code.tolist()))
+        code = (has_prefix.astype(np.int8) + (has_prefix ^ flags)).tolist()  # 0 prefill, 1 decode, 2 extend
+        derived = tuple(map(_MODE_OF_CODE.__getitem__, code))
+        some = 1 in code
     if forward_modes is None or (isinstance(forward_modes, (tuple, list)) and tuple(forward_modes) == derived):
-        return derived, flags
+        return derived, flags, decode_only, some
     modes = _modes(forward_modes, q_lens, p_lens)
-    return modes, np.array([m is ForwardMode.DECODE for m in modes], dtype=np.bool_)
+    flag_tuple = _decode_flags_of(modes)
+    return modes, np.array(flag_tuple, dtype=np.bool_), all(flag_tuple), any(flag_tuple)
+
+
+def _decode_flags_of(modes: tuple[ForwardMode, ...]) -> tuple[bool, ...]:
+    """Whether each request decodes, from its mode."""
+    return tuple(map(operator.is_, modes, itertools.repeat(ForwardMode.DECODE)))
+
+
+def _query_starts_of(query_lens: tuple[int, ...]) -> tuple[int, ...]:
+    """Cumulative query lengths, from 0."""
+    return tuple(itertools.accumulate(query_lens, initial=0))
 
 
 def _used_pages(pt: np.ndarray, seq: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -278,14 +295,19 @@ def _check_positions(positions: Sequence[int] | torch.Tensor, expected: np.ndarr
         )
 
 
-def _chunk_shape(p: np.ndarray, prefix_chunk_tokens: int) -> tuple[int, int]:
+def _chunk_layout(with_prefix: int, longest_prefix: int, prefix_chunk_tokens: int) -> tuple[int, int]:
     """(chunks, prefix positions per request in one chunk): the gather capacity split evenly
-    over the requests that have a prefix."""
-    with_prefix = int(np.count_nonzero(p))  # prefixes are >= 0; plain ints: Dynamo reads the count
+    over the ``with_prefix`` requests that have a prefix (plain ints: Dynamo reads the count)."""
     if not with_prefix:
         return 0, 0
     per_req = max(1, prefix_chunk_tokens // with_prefix)
-    return -(-int(p.max()) // per_req), per_req
+    return -(-longest_prefix // per_req), per_req
+
+
+def _chunk_shape(p: np.ndarray, prefix_chunk_tokens: int) -> tuple[int, int]:
+    """:func:`_chunk_layout` of the prefix lengths ``p`` (all >= 0)."""
+    with_prefix = int(np.count_nonzero(p))
+    return _chunk_layout(with_prefix, int(p.max()) if with_prefix else 0, prefix_chunk_tokens)
 
 
 def _prefix_chunks(p: np.ndarray, prefix_chunk_tokens: int, dev: torch.device) -> tuple[PrefixChunk, ...]:
@@ -309,12 +331,39 @@ def _prefix_chunks(p: np.ndarray, prefix_chunk_tokens: int, dev: torch.device) -
     )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+#: The device tensors: what :meth:`AttentionMetadata.with_device_tensors` replaces.
+_DEVICE_FIELDS = ("page_table", "slot_mapping", "query_start_loc", "seq_lens", "prefix_lens_tensor", "is_decode",
+                  "num_tokens_tensor")
+#: The public fields, in the order of ``AttentionMetadata(...)``'s parameters.
+_FIELDS = ("query_lens", "prefix_lens", "forward_modes", "page_size", *_DEVICE_FIELDS, "prefix_chunk_tokens")
+#: Values derived from the host fields alone, set by the constructors.
+_HOST_DERIVED = ("num_tokens", "is_decode_only", "has_decode", "pages_needed", "num_prefix_chunks")
+
+
+def _immutable(name: str) -> dataclasses.FrozenInstanceError:
+    # FrozenInstanceError (an AttributeError), as when AttentionMetadata was a frozen dataclass.
+    return dataclasses.FrozenInstanceError(
+        f"cannot assign or delete AttentionMetadata.{name}: metadata is immutable after build; build a new one "
+        "with AttentionMetadata.build(...) (metadata.replace(...) makes a copy with changed fields, re-verified "
+        "on first use)"
+    )
+
+
+# The decorator makes no method (no __init__, __repr__, __eq__, nor a frozen __setattr__): it
+# only declares the public fields to the dataclasses module, so dataclasses.fields(metadata)
+# and dataclasses.replace(metadata, ...) (which calls __init__, so it validates) keep working.
+@dataclasses.dataclass(init=False, repr=False, eq=False)
 class AttentionMetadata:
     """Describes one batch: which tokens belong to which request, and where their KV lives.
 
     Build it with :meth:`build`. Host-side tuples serve the reference implementation and
     validation; the tensors (on the batch's device) serve GPU kernels.
+
+    Immutable: assigning an attribute raises. Made by :meth:`build` (validates a batch and
+    derives the rest: how engines make it), :meth:`stand_in` (graph capture's batches),
+    ``AttentionMetadata(...)`` and :meth:`replace` (fields given one by one: checked to
+    agree, and re-derived and compared on first use) and :meth:`with_device_tensors` (the
+    batch over the static buffers that CUDA graphs read).
 
     Attributes:
         query_lens: new tokens per request; the batch's ``q`` packs them in request order.
@@ -334,6 +383,18 @@ class AttentionMetadata:
         prefix_chunks: the chunk plan for the chunked-prefix pattern (made on first use;
             chunk attention runs eagerly between pieces, never inside a captured graph,
             so its one copy to the device never happens during a capture).
+
+    Derived from the host fields alone, when the metadata is made (every attention call of a
+    step reads some of them; ``decode_flags`` and ``query_starts`` of a batch that is not all
+    decodes, on first read):
+        num_tokens: real (unpadded) new tokens in the batch.
+        is_decode_only: whether every request is in decode mode.
+        decode_flags: whether each request is in decode mode (host side of ``is_decode``).
+        has_decode: whether some request is in decode mode.
+        pages_needed: page-table columns the longest request reads (prefix plus new tokens).
+        query_starts: cumulative query lengths (host side of ``query_start_loc``).
+        num_prefix_chunks: how many chunks the chunked-prefix pattern walks
+            (``len(prefix_chunks)``, known without making the plan).
     """
 
     query_lens: tuple[int, ...]
@@ -348,7 +409,122 @@ class AttentionMetadata:
     is_decode: torch.Tensor
     num_tokens_tensor: torch.Tensor
     prefix_chunk_tokens: int
-    prefix_chunks: tuple[PrefixChunk, ...]
+
+    __slots__ = (
+        *_FIELDS,
+        *_HOST_DERIVED,
+        # Also derived from the host fields alone, by _decode_flags_of and _query_starts_of: set by
+        # the constructor when cheap (a decode batch), else None until first read (fill reads
+        # them, for a full graph's replay; a piecewise step of a mixed batch may never).
+        "_decode_flags",
+        "_query_starts",
+        # The prefix-chunk plan, None until prefix_chunks is first read: most models never read
+        # it, and making it (a copy to the device) is the largest part of build's cost.
+        "_prefix_chunks",
+        # The positions tensor, None until positions is first read (a copy to the device).
+        "_positions",
+        # The verification bound: no page id that the batch uses exceeds it (build's page
+        # checks give it; verified() tightens it to the exact largest used id when the table's
+        # padding exceeds the caches). None: made by __init__, not checked yet; verified()
+        # re-derives the metadata from its host fields once and sets it.
+        "_max_page",
+        # Implementations key per-step plans to the batch by weak reference (flashinfer's).
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        query_lens: Sequence[int],
+        prefix_lens: Sequence[int],
+        forward_modes: Sequence[ForwardMode | str],
+        page_size: int,
+        page_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        prefix_lens_tensor: torch.Tensor,
+        is_decode: torch.Tensor,
+        num_tokens_tensor: torch.Tensor,
+        prefix_chunk_tokens: int,
+        prefix_chunks: Sequence[PrefixChunk] | None = None,
+    ) -> None:
+        """Metadata from its fields given one by one: what :meth:`replace` and
+        ``dataclasses.replace`` call, for tests and tools that make a batch by hand.
+
+        Checks now that the fields agree (lengths, tensor shapes, modes; else
+        :class:`~fullcg.errors.MetadataChangedError` naming the fix); page ids, slots and the
+        tensors' values are re-derived from the host fields and compared the first time
+        :meth:`verified` runs (entering a forward context). ``prefix_chunks``: the plan, or
+        None to make it from the host fields on first use. Engines use :meth:`build`.
+        """
+
+        def changed(what: str) -> MetadataChangedError:
+            return MetadataChangedError(
+                f"AttentionMetadata fields disagree: {what}; metadata is immutable after build, so build a new "
+                "one with AttentionMetadata.build(...) instead of editing it (metadata.replace, dataclasses.replace)"
+            )
+
+        try:
+            q_lens = _as_int_tuple(query_lens, "query_lens")
+            p_lens = _as_int_tuple(prefix_lens, "prefix_lens")
+        except TypeError as e:
+            raise changed(str(e)) from None
+        r = len(q_lens)
+        n = sum(q_lens)
+        if len(p_lens) != r or len(forward_modes) != r:
+            raise changed(f"{r} query_lens, {len(p_lens)} prefix_lens, {len(forward_modes)} forward_modes")
+        if min(q_lens, default=1) <= 0 or min(p_lens, default=0) < 0:
+            raise changed(f"query_lens must be >= 1 and prefix_lens >= 0, got {list(q_lens)} and {list(p_lens)}")
+        for name, value in (("page_size", page_size), ("prefix_chunk_tokens", prefix_chunk_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise changed(f"{name} must be a positive integer, got {value!r}")
+        tensors = (
+            page_table, slot_mapping, query_start_loc, seq_lens, prefix_lens_tensor, is_decode, num_tokens_tensor
+        )
+        for name, value in zip(_DEVICE_FIELDS, tensors):
+            if not isinstance(value, torch.Tensor):
+                raise changed(f"{name} must be a tensor, got {type(value).__name__}")
+        if page_table.dim() != 2 or page_table.shape[0] != r:
+            raise changed(f"page_table has shape {tuple(page_table.shape)} for {r} requests")
+        if slot_mapping.dim() != 1 or slot_mapping.shape[0] < n:
+            raise changed(f"slot_mapping has {tuple(slot_mapping.shape)} slots for {n} new tokens")
+        if query_start_loc.shape != (r + 1,):
+            raise changed(f"query_start_loc has shape {tuple(query_start_loc.shape)} for {r} requests")
+        per_request = (("seq_lens", seq_lens), ("prefix_lens_tensor", prefix_lens_tensor), ("is_decode", is_decode))
+        for name, value in per_request:
+            if value.shape != (r,):
+                raise changed(f"{name} has shape {tuple(value.shape)} for {r} requests")
+        longest = max(map(int.__add__, q_lens, p_lens), default=0)
+        if longest > page_table.shape[1] * page_size:
+            raise changed(f"page_table has {page_table.shape[1]} pages of {page_size}, too few for the requests")
+        try:
+            modes = _modes(forward_modes, q_lens, p_lens)
+        except (ValueError, TypeError) as e:
+            raise changed(str(e)) from None
+        num_chunks = _chunk_layout(r - p_lens.count(0), max(p_lens, default=0), prefix_chunk_tokens)[0]
+        if prefix_chunks is not None:
+            prefix_chunks = tuple(prefix_chunks)
+            if not all(isinstance(c, PrefixChunk) for c in prefix_chunks):
+                raise changed("prefix_chunks must hold fullcg.PrefixChunk plans")
+            if len(prefix_chunks) != num_chunks:
+                raise changed(
+                    f"prefix_chunks has {len(prefix_chunks)} chunks but prefix_lens and prefix_chunk_tokens make "
+                    f"{num_chunks}"
+                )
+        decode_flags = _decode_flags_of(modes)
+        self._set_slots(
+            q_lens, p_lens, modes, page_size, *tensors, prefix_chunk_tokens,
+            n, all(decode_flags), any(decode_flags), -(-longest // page_size), num_chunks,
+            decode_flags, _query_starts_of(q_lens),
+            prefix_chunks, None, None,  # the plan (or None: made on first use), positions, no bound yet
+        )
+
+    def _set_slots(self, *values: object) -> None:
+        # Every slot, in __slots__ order, past __setattr__ (which refuses every assignment):
+        # for __init__ and __setstate__. The fast constructors (_from_checked,
+        # with_device_tensors) write theirs one by one, which costs less.
+        for name, value in zip(_SLOTS, values, strict=True):
+            object.__setattr__(self, name, value)
 
     @classmethod
     def build(
@@ -392,7 +568,8 @@ class AttentionMetadata:
         p = np.array(p_lens, dtype=np.int64)
         if q.min() <= 0:
             raise InvalidBatchError(f"every request needs at least one new token, got query_lens={list(q_lens)}")
-        if p.min() < 0:
+        shortest_prefix = int(p.min())  # a plain int: is_decode_only derives from it, a plain bool
+        if shortest_prefix < 0:
             raise InvalidBatchError(f"prefix_lens must be >= 0, got {list(p_lens)}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidBatchError(f"page_size must be a positive integer, got {page_size!r}")
@@ -401,8 +578,10 @@ class AttentionMetadata:
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0):
             raise InvalidBatchError(f"num_pages must be the KV cache's page count (a positive integer), got {num_pages!r}")
         num_tokens = sum(q_lens)
-        decode_only = num_tokens == num_reqs and p.min() > 0  # every request one new token on a prefix
-        modes, is_decode = _modes_and_flags(forward_modes, q_lens, p_lens, q, p, decode_only)
+        decode_only = num_tokens == num_reqs and shortest_prefix > 0  # every request one new token on a prefix
+        modes, is_decode, all_decode, some_decode = _modes_and_flags(
+            forward_modes, q_lens, p_lens, q, p, decode_only
+        )
 
         if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
             raise InvalidBatchError("page_table must be a 2-D integer tensor [num_requests, max_pages]")
@@ -452,44 +631,151 @@ class AttentionMetadata:
             slots = np.full(num_tokens, -1, dtype=np.int64)
         if positions is not None:
             _check_positions(positions, pos, q)
-
-        md = object.__new__(cls)  # skips __post_init__: everything it checks was checked above
-        md.__dict__.update(
-            query_lens=q_lens,
-            prefix_lens=p_lens,
-            forward_modes=modes,
-            page_size=page_size,
-            page_table=page_table.to(device=dev, dtype=torch.int32),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq.astype(np.int32)).to(dev),
-            prefix_lens_tensor=torch.from_numpy(p.astype(np.int32)).to(dev),
-            is_decode=torch.from_numpy(is_decode).to(dev),
-            num_tokens_tensor=torch.from_numpy(np.array([num_tokens], dtype=np.int32)).to(dev),
-            prefix_chunk_tokens=prefix_chunk_tokens,
-            # prefix_chunks is made on first use (see __getattr__): most models never read
-            # it, and it is the largest part of build's cost. Its size is known now.
-            num_prefix_chunks=_chunk_shape(p, prefix_chunk_tokens)[0],
-            _chunk_plan_inputs=(p, dev),
-            _max_page=max_page,
+        # The chunk count, without reading the prefixes again when every request decodes.
+        if decode_only:
+            num_chunks = _chunk_layout(num_reqs, longest - 1, prefix_chunk_tokens)[0]
+        else:
+            num_chunks = _chunk_shape(p, prefix_chunk_tokens)[0]
+        return cls._from_checked(
+            q_lens, p_lens, modes, page_size,
+            page_table.to(device=dev, dtype=torch.int32),
+            torch.from_numpy(slots).to(dev),
+            torch.from_numpy(starts.astype(np.int32)).to(dev),
+            torch.from_numpy(seq.astype(np.int32)).to(dev),
+            torch.from_numpy(p.astype(np.int32)).to(dev),
+            torch.from_numpy(is_decode).to(dev),
+            torch.from_numpy(np.array([num_tokens], dtype=np.int32)).to(dev),
+            prefix_chunk_tokens,
+            num_tokens, all_decode, some_decode, width, num_chunks,
+            # A decode batch's flags and starts cost next to nothing now; others', on first read.
+            (True,) * num_reqs if all_decode else None,
+            tuple(range(num_reqs + 1)) if decode_only else None,
+            max_page,
         )
+
+    @classmethod
+    def _from_checked(
+        cls,
+        query_lens: tuple[int, ...],
+        prefix_lens: tuple[int, ...],
+        forward_modes: tuple[ForwardMode, ...],
+        page_size: int,
+        page_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        prefix_lens_tensor: torch.Tensor,
+        is_decode: torch.Tensor,
+        num_tokens_tensor: torch.Tensor,
+        prefix_chunk_tokens: int,
+        num_tokens: int,
+        is_decode_only: bool,
+        has_decode: bool,
+        pages_needed: int,
+        num_prefix_chunks: int,
+        decode_flags: tuple[bool, ...] | None,
+        query_starts: tuple[int, ...] | None,
+        max_page: int,
+    ) -> AttentionMetadata:
+        """Metadata from fields that :meth:`build` has checked and derived, the derived
+        values included (from the host fields alone; ``decode_flags`` and ``query_starts``
+        may be None: made on first read), and ``max_page``, the bound its page checks
+        found: nothing is checked again, so :meth:`verified` costs one comparison."""
+        md = object.__new__(cls)
+        set_ = object.__setattr__  # past __setattr__, which refuses every assignment
+        set_(md, "query_lens", query_lens)
+        set_(md, "prefix_lens", prefix_lens)
+        set_(md, "forward_modes", forward_modes)
+        set_(md, "page_size", page_size)
+        set_(md, "page_table", page_table)
+        set_(md, "slot_mapping", slot_mapping)
+        set_(md, "query_start_loc", query_start_loc)
+        set_(md, "seq_lens", seq_lens)
+        set_(md, "prefix_lens_tensor", prefix_lens_tensor)
+        set_(md, "is_decode", is_decode)
+        set_(md, "num_tokens_tensor", num_tokens_tensor)
+        set_(md, "prefix_chunk_tokens", prefix_chunk_tokens)
+        set_(md, "num_tokens", num_tokens)
+        set_(md, "is_decode_only", is_decode_only)
+        set_(md, "has_decode", has_decode)
+        set_(md, "pages_needed", pages_needed)
+        set_(md, "num_prefix_chunks", num_prefix_chunks)
+        set_(md, "_decode_flags", decode_flags)
+        set_(md, "_query_starts", query_starts)
+        set_(md, "_prefix_chunks", None)
+        set_(md, "_positions", None)
+        set_(md, "_max_page", max_page)
         return md
 
-    def __getattr__(self, name: str) -> object:
-        # Called only for attributes not in the instance: prefix_chunks before its first use.
-        if name == "prefix_chunks":
-            inputs = self.__dict__.get("_chunk_plan_inputs")
-            if inputs is not None:
-                chunks = _prefix_chunks(inputs[0], self.prefix_chunk_tokens, inputs[1])
-                self.__dict__["prefix_chunks"] = chunks
-                return chunks
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def with_device_tensors(
+        self,
+        *,
+        page_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        prefix_lens_tensor: torch.Tensor,
+        is_decode: torch.Tensor,
+        num_tokens_tensor: torch.Tensor,
+    ) -> AttentionMetadata:
+        """This batch with its device tensors replaced: for CUDA graphs, whose kernels read
+        static buffers refilled before each replay (:meth:`StaticMetadata.fill
+        <fullcg.cudagraph.StaticMetadata.fill>` writes the batch into them, then calls this).
 
-    @functools.cached_property
-    def num_prefix_chunks(self) -> int:
-        """How many chunks the chunked-prefix pattern walks (``len(prefix_chunks)``, known
-        without making the plan)."""
-        return len(self.prefix_chunks)
+        The new tensors may describe the batch padded (to a capture size: more requests and
+        tokens past the real ones); they are not checked, as the caller has just filled them.
+        The copy keeps this batch's host fields and the values derived from them as they
+        are. None can come from a device tensor: they are derived by functions given the
+        host fields, never the metadata, when the metadata is made (or, for
+        ``decode_flags`` and ``query_starts``, on first read). The verification bound comes
+        along (the buffers hold the same pages); so do ``positions`` and the prefix-chunk
+        plan if made, when they are on the new tensors' device (else they are made anew
+        there on first use).
+        """
+        chunks, positions = self._prefix_chunks, self._positions
+        if chunks and chunks[0].kv_start_loc.device != slot_mapping.device:
+            chunks = None
+        if positions is not None and positions.device != slot_mapping.device:
+            positions = None
+        md = object.__new__(type(self))
+        set_ = object.__setattr__  # past __setattr__, which refuses every assignment
+        # Host fields and host-derived values: this batch's, as they are.
+        set_(md, "query_lens", self.query_lens)
+        set_(md, "prefix_lens", self.prefix_lens)
+        set_(md, "forward_modes", self.forward_modes)
+        set_(md, "page_size", self.page_size)
+        set_(md, "prefix_chunk_tokens", self.prefix_chunk_tokens)
+        set_(md, "num_tokens", self.num_tokens)
+        set_(md, "is_decode_only", self.is_decode_only)
+        set_(md, "has_decode", self.has_decode)
+        set_(md, "pages_needed", self.pages_needed)
+        set_(md, "num_prefix_chunks", self.num_prefix_chunks)
+        set_(md, "_decode_flags", self._decode_flags)  # made or not, as here
+        set_(md, "_query_starts", self._query_starts)
+        # Device tensors: the given ones.
+        set_(md, "page_table", page_table)
+        set_(md, "slot_mapping", slot_mapping)
+        set_(md, "query_start_loc", query_start_loc)
+        set_(md, "seq_lens", seq_lens)
+        set_(md, "prefix_lens_tensor", prefix_lens_tensor)
+        set_(md, "is_decode", is_decode)
+        set_(md, "num_tokens_tensor", num_tokens_tensor)
+        set_(md, "_prefix_chunks", chunks)
+        set_(md, "_positions", positions)
+        set_(md, "_max_page", self._max_page)
+        return md
+
+    def replace(self, **changes: object) -> AttentionMetadata:
+        """A copy with the public fields named in ``changes`` replaced (``prefix_chunks=``
+        gives a plan; else the copy makes its own from its fields on first read), checked
+        like ``AttentionMetadata(...)``: the fields must agree
+        (:class:`~fullcg.errors.MetadataChangedError` otherwise), and the copy is re-derived
+        from its host fields and compared the first time :meth:`verified` runs. For tests and
+        tools that alter a batch; an engine builds each step's metadata with :meth:`build`.
+        ``dataclasses.replace(metadata, ...)`` does the same."""
+        fields = {name: getattr(self, name) for name in _FIELDS}
+        fields.update(changes)
+        return type(self)(**fields)
 
     @classmethod
     def stand_in(
@@ -509,46 +795,45 @@ class AttentionMetadata:
         """
         return cls.build(query_lens, prefix_lens, page_table, page_size, forward_modes, device=device, _writes=False)
 
-    def __post_init__(self) -> None:
-        # Runs for direct construction and dataclasses.replace (build bypasses it): fields
-        # must still agree, and page ids are re-checked against the caches on first use.
-        r = len(self.query_lens)
-        n = sum(self.query_lens)
+    def __setattr__(self, name: str, value: object) -> None:
+        raise _immutable(name)
 
-        def changed(what: str) -> MetadataChangedError:
-            return MetadataChangedError(
-                f"AttentionMetadata fields disagree: {what}; metadata is immutable after build, so build a new "
-                "one with AttentionMetadata.build(...) instead of editing it (dataclasses.replace)"
-            )
+    def __delattr__(self, name: str) -> None:
+        raise _immutable(name)
 
-        if len(self.prefix_lens) != r or len(self.forward_modes) != r:
-            raise changed(f"{r} query_lens, {len(self.prefix_lens)} prefix_lens, {len(self.forward_modes)} forward_modes")
-        for name in ("page_table", "slot_mapping", "query_start_loc", "seq_lens", "prefix_lens_tensor", "is_decode",
-                     "num_tokens_tensor"):
-            if not isinstance(getattr(self, name), torch.Tensor):
-                raise changed(f"{name} must be a tensor, got {type(getattr(self, name)).__name__}")
-        if self.page_table.dim() != 2 or self.page_table.shape[0] != r:
-            raise changed(f"page_table has shape {tuple(self.page_table.shape)} for {r} requests")
-        if self.slot_mapping.dim() != 1 or self.slot_mapping.shape[0] < n:
-            raise changed(f"slot_mapping has {tuple(self.slot_mapping.shape)} slots for {n} new tokens")
-        if self.query_start_loc.shape != (r + 1,):
-            raise changed(f"query_start_loc has shape {tuple(self.query_start_loc.shape)} for {r} requests")
-        for name in ("seq_lens", "prefix_lens_tensor", "is_decode"):
-            if getattr(self, name).shape != (r,):
-                raise changed(f"{name} has shape {tuple(getattr(self, name).shape)} for {r} requests")
-        if r and max(a + b for a, b in zip(self.query_lens, self.prefix_lens)) > self.page_table.shape[1] * self.page_size:
-            raise changed(f"page_table has {self.page_table.shape[1]} pages of {self.page_size}, too few for the requests")
-        try:
-            _modes(self.forward_modes, self.query_lens, self.prefix_lens)
-        except (ValueError, TypeError) as e:
-            raise changed(str(e)) from None
+    # copy.copy, copy.deepcopy and pickle restore the slots through these (the default
+    # restore assigns attributes, which __setattr__ refuses).
+    def __getstate__(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in _SLOTS}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self._set_slots(*(state[name] for name in _SLOTS))
+
+    def __repr__(self) -> str:
+        modes = tuple(m.value for m in self.forward_modes)
+        return (
+            f"{type(self).__name__}(query_lens={self.query_lens}, prefix_lens={self.prefix_lens}, "
+            f"forward_modes={modes}, page_size={self.page_size}, prefix_chunk_tokens={self.prefix_chunk_tokens}, "
+            f"device={self.slot_mapping.device})"
+        )
+
+    @property
+    def prefix_chunks(self) -> tuple[PrefixChunk, ...]:
+        """The chunk plan for the chunked-prefix pattern, made on first read (from the host
+        fields, on the batch's device) and kept."""
+        chunks = self._prefix_chunks
+        if chunks is None:
+            chunks = _prefix_chunks(np.array(self.prefix_lens, dtype=np.int64), self.prefix_chunk_tokens,
+                                    self.slot_mapping.device)
+            object.__setattr__(self, "_prefix_chunks", chunks)
+        return chunks
 
     def verified(self, num_pages: int) -> AttentionMetadata:
         """Check this batch against KV caches of ``num_pages`` pages (the forward context
         does, on entry); returns ``self``. Cheap for metadata from :meth:`build` (one
-        comparison); metadata made otherwise (``dataclasses.replace``) is re-derived once
-        from its host fields and compared, field by field."""
-        max_page = self.__dict__.get("_max_page")
+        comparison); metadata made otherwise (``AttentionMetadata(...)``, :meth:`replace`)
+        is re-derived once from its host fields and compared, field by field."""
+        max_page = self._max_page
         if max_page is None:
             max_page = self._reverify(num_pages)
         if max_page >= num_pages:
@@ -579,7 +864,8 @@ class AttentionMetadata:
                     f"AttentionMetadata fields disagree: {name} does not follow query_lens and prefix_lens; metadata "
                     "is immutable after build, so build a new one with AttentionMetadata.build(...) instead of editing it"
                 )
-        if [(c.starts, c.lens, c.offsets) for c in self.prefix_chunks] != \
+        # A plan made here from the host fields agrees by construction; a given one is compared.
+        if self._prefix_chunks is not None and [(c.starts, c.lens, c.offsets) for c in self._prefix_chunks] != \
                 [(c.starts, c.lens, c.offsets) for c in fresh.prefix_chunks]:
             raise MetadataChangedError(
                 "AttentionMetadata fields disagree: prefix_chunks do not follow prefix_lens and prefix_chunk_tokens; "
@@ -592,40 +878,38 @@ class AttentionMetadata:
     def num_requests(self) -> int:
         return len(self.query_lens)
 
-    # Cached: every attention call of a step asks (the dataclass is frozen, so they never change).
-    @functools.cached_property
-    def num_tokens(self) -> int:
-        """Real (unpadded) new tokens in the batch."""
-        return sum(self.query_lens)
-
-    @functools.cached_property
-    def is_decode_only(self) -> bool:
-        return all(self.decode_flags)
-
-    @functools.cached_property
+    @property
     def decode_flags(self) -> tuple[bool, ...]:
         """Whether each request is in decode mode (host side of ``is_decode``)."""
-        return tuple(m is ForwardMode.DECODE for m in self.forward_modes)
+        flags = self._decode_flags
+        if flags is None:
+            flags = _decode_flags_of(self.forward_modes)
+            object.__setattr__(self, "_decode_flags", flags)
+        return flags
 
-    @functools.cached_property
-    def has_decode(self) -> bool:
-        return any(self.decode_flags)
+    @property
+    def query_starts(self) -> tuple[int, ...]:
+        """Cumulative query lengths, from 0 (host side of ``query_start_loc``)."""
+        starts = self._query_starts
+        if starts is None:
+            starts = _query_starts_of(self.query_lens)
+            object.__setattr__(self, "_query_starts", starts)
+        return starts
 
-    @functools.cached_property
-    def pages_needed(self) -> int:
-        """Page-table columns the longest request reads (prefix plus new tokens)."""
-        return -(-max(q + p for q, p in zip(self.query_lens, self.prefix_lens)) // self.page_size)
-
-    @functools.cached_property
+    @property
     def positions(self) -> torch.Tensor:
         """``int64 [num_tokens]`` on the batch's device: each new token's position, its
         request's prefix length plus its index among the request's new tokens (what a
-        model's rotary embedding must be given)."""
-        q = np.asarray(self.query_lens, dtype=np.int64)
-        starts = np.zeros(q.size + 1, dtype=np.int64)
-        np.cumsum(q, out=starts[1:])
-        pos = np.arange(int(starts[-1])) + np.repeat(np.asarray(self.prefix_lens, dtype=np.int64) - starts[:-1], q)
-        return torch.from_numpy(pos).to(self.slot_mapping.device)
+        model's rotary embedding must be given). Made on first read and kept."""
+        pos = self._positions
+        if pos is None:
+            q = np.asarray(self.query_lens, dtype=np.int64)
+            starts = np.zeros(q.size + 1, dtype=np.int64)
+            np.cumsum(q, out=starts[1:])
+            pos = np.arange(int(starts[-1])) + np.repeat(np.asarray(self.prefix_lens, dtype=np.int64) - starts[:-1], q)
+            pos = torch.from_numpy(pos).to(self.slot_mapping.device)
+            object.__setattr__(self, "_positions", pos)
+        return pos
 
     def check_positions(self, positions: Sequence[int] | torch.Tensor) -> None:
         """Raise :class:`~fullcg.errors.InvalidBatchError` unless the first ``num_tokens``
@@ -633,9 +917,6 @@ class AttentionMetadata:
         Reads ``positions`` on the host: a debugging check, not for every step."""
         _check_positions(positions, self.positions.cpu().numpy(), np.asarray(self.query_lens))
 
-    @functools.cached_property
-    def query_starts(self) -> tuple[int, ...]:
-        out = [0]
-        for n in self.query_lens:
-            out.append(out[-1] + n)
-        return tuple(out)
+
+#: The slots that hold a batch's state, in ``__slots__`` order (``__weakref__`` is Python's).
+_SLOTS = tuple(name for name in AttentionMetadata.__slots__ if name != "__weakref__")

@@ -75,7 +75,7 @@ def test_a_planned_launch_calls_the_compiled_kernel_directly_and_recompiles_for_
     monkeypatch.setattr(launch, "_INTERPRET", False)
     monkeypatch.setattr(launcher, "_launch_jit", fake_jit)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(launch, "current_raw_stream", lambda device: 1234)
     buf = torch.zeros(64)
     args = (buf[:8], 3, 0.5)
     key = launcher.static_key(args, (16,), 4, 3)
@@ -134,7 +134,7 @@ def test_a_planned_launch_passes_only_addresses_once_compiled_and_falls_back_for
     monkeypatch.setattr(launcher, "_launch_jit", fake_jit)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    monkeypatch.setattr(launch, "current_raw_stream", lambda device: 77)
     buf, meta = torch.zeros(64), torch.zeros(8, dtype=torch.int32)
     tail = (meta, 5, 0.5)
     device = torch.device("cuda", 0)  # only its index is read: nothing touches a GPU here
@@ -162,7 +162,7 @@ def test_a_new_batch_size_in_a_do_not_specialize_argument_launches_the_compiled_
     monkeypatch.setattr(launcher, "_launch_jit", lambda *a: jit_launches.append(a) or _run_only_launcher(c_launches))
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 5, raising=False)
+    monkeypatch.setattr(launch, "current_raw_stream", lambda device: 5)
     buf = torch.zeros(16)
     device = torch.device("cuda", 0)
     for count in (3, 70, 1000):  # one step each, planned anew with its own count
