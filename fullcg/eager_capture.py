@@ -47,7 +47,7 @@ from fullcg.errors import InvalidConfigError
 from fullcg.frontend import device_of, note_device
 from fullcg.ops.attention import EAGER_KERNELS
 from fullcg.passes.split import is_split_target, reads_host_plan
-from fullcg.runner import InputStager, StepRunner
+from fullcg.runner import InputStager, StepRunner, dummy_metadata
 from fullcg.telemetry import counts_discarded, model_counts
 
 __all__ = ["Graphs", "CudaGraphs", "SegmentedGraph", "EagerCaptureModel", "launches_nothing"]
@@ -409,7 +409,7 @@ def _probe_stand_ins(call: _ModelCall, args: Sequence[Any], ctx: ForwardContext,
     watch = _PlanWatch()
     flags: tuple[bool, ...] | None = None
     for tokens, decode_only in _PROBES:
-        md = cudagraph.dummy_metadata(tokens, decode_only, page_size, device)
+        md = dummy_metadata(tokens, decode_only, page_size, device)
         inputs = [
             torch.zeros((tokens, *a.shape[1:]), dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else a
             for a in args

@@ -720,7 +720,7 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """This batch with its device tensors replaced: for CUDA graphs, whose kernels read
         static buffers refilled before each replay (:meth:`StaticMetadata.fill
-        <fullcg.cudagraph.StaticMetadata.fill>` writes the batch into them, then calls this).
+        <fullcg.runner.StaticMetadata.fill>` writes the batch into them, then calls this).
 
         The new tensors may describe the batch padded (to a capture size: more requests and
         tokens past the real ones); they are not checked, as the caller has just filled them.

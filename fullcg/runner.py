@@ -23,17 +23,20 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fullcg import cudagraph
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import ForwardContext, derived, derived_context, enter, get_forward_context, leave
 from fullcg.frontend import progress_bar
+from fullcg.metadata import AttentionMetadata, ForwardMode
 from fullcg.ops.impl import AttentionImpl, resolve_implementation
 from fullcg.telemetry import StepCounts, counts_discarded, graph_mode_counts, model_counts, reset_graph_mode_counts
 
 __all__ = [
-    "StepRunner", "InputStager", "PieceCall", "padded_size", "observed_runner_calls", "graph_mode_counts", "reset_graph_mode_counts",
+    "StepRunner", "InputStager", "StaticMetadata", "StaticTables", "PieceCall", "padded_size", "dummy_metadata",
+    "observed_runner_calls", "graph_mode_counts", "reset_graph_mode_counts",
     "request_capture", "capture",
 ]
 
@@ -126,6 +129,135 @@ class InputStager:
         return staged
 
 
+class StaticTables:
+    """The page table and slot mapping that every capture size's full graphs read.
+
+    One pair for all sizes (size ``S`` uses the first ``S`` rows): a table as wide as a
+    request's longest page list, not one per size. Sharing is safe because refills and
+    replays are ordered on one stream. Refills clear only what the previous batch left.
+    """
+
+    def __init__(self, max_size: int, max_pages: int, device: torch.device) -> None:
+        with torch.inference_mode(False):  # normal tensors: refilled in or out of inference mode
+            self.page_table = torch.zeros(max_size, max_pages, dtype=torch.int32, device=device)
+            self.slot_mapping = torch.full((max_size,), -1, dtype=torch.int64, device=device)
+        self._table_rows = 0  # rows the last batch wrote (the rest are zeros)
+        self._table_cols = 0  # columns the last batch wrote
+        self._slots = 0  # slots the last batch wrote (the rest are -1)
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    def fill(self, md: AttentionMetadata) -> None:
+        r, n = md.num_requests, md.num_tokens
+        cols = min(md.page_table.shape[1], self.max_pages)
+        if self._table_rows > r or self._table_cols > cols:
+            self.page_table[: self._table_rows, : self._table_cols].zero_()
+        self.page_table[:r, :cols].copy_(md.page_table[:, :cols])
+        self._table_rows, self._table_cols = r, cols
+        self.slot_mapping[:n].copy_(md.slot_mapping)
+        if self._slots > n:
+            self.slot_mapping[n : self._slots].fill_(-1)
+        self._slots = n
+
+
+class StaticMetadata:
+    """Metadata tensors at fixed addresses for one capture size, refilled before each replay.
+
+    Padded layout: the real requests first; then one-token stand-in requests (decode mode,
+    one key in page 0, never saved: slot -1) that own the padding tokens; then empty
+    requests. Host fields stay the real batch's, for implementations that plan on the host.
+
+    A refill is on the per-step path, so it is cheap: the small fields are written into one
+    pinned host buffer and reach the device in one asynchronous copy (the host waits only
+    if the previous refill's copy has not yet read that buffer); the page table and slot
+    mapping are views of the shared :class:`StaticTables`.
+    """
+
+    def __init__(self, size: int, tables: StaticTables, device: torch.device) -> None:
+        with torch.inference_mode(False):  # normal tensors: refilled in or out of inference mode
+            self._allocate(size, tables, device)
+
+    def _allocate(self, size: int, tables: StaticTables, device: torch.device) -> None:
+        self.size = size
+        self.tables = tables
+        # int32 query_start_loc | seq_lens | prefix_lens | num_tokens, then bool is_decode:
+        # views of one byte buffer, so one copy refills them all.
+        num_ints = 3 * size + 2
+        num_ints += -num_ints % 4  # is_decode starts 16-byte aligned, whatever the size
+        nbytes = 4 * num_ints + size
+        self._device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        ints = self._device_bytes[: 4 * num_ints].view(torch.int32)
+        self.query_start_loc = ints[: size + 1]
+        self.seq_lens = ints[size + 1 : 2 * size + 1]
+        self.prefix_lens = ints[2 * size + 1 : 3 * size + 1]
+        self.num_tokens = ints[3 * size + 1 : 3 * size + 2]
+        self.is_decode = self._device_bytes[4 * num_ints :].view(torch.bool)
+        self._host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._host_ints = self._host_bytes[: 4 * num_ints].view(torch.int32).numpy()
+        self._host_decode = self._host_bytes[4 * num_ints :].numpy()
+        self._device = device
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.page_table = tables.page_table[:size]
+        self.slot_mapping = tables.slot_mapping[:size]
+        self._device_fields = dict(
+            page_table=self.page_table, slot_mapping=self.slot_mapping, query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens, prefix_lens_tensor=self.prefix_lens, is_decode=self.is_decode,
+            num_tokens_tensor=self.num_tokens,
+        )
+
+    def fits(self, md: AttentionMetadata) -> bool:
+        """Whether the batch's requests fit the static page table (and its tokens this size)."""
+        return md.pages_needed <= self.tables.max_pages and md.num_tokens <= self.size
+
+    def fill(self, md: AttentionMetadata) -> AttentionMetadata:
+        size, n, r = self.size, md.num_tokens, md.num_requests
+        if not self.fits(md):
+            raise ValueError(
+                f"a batch of {n} tokens whose longest request needs {md.pages_needed} pages does not fit captured "
+                f"graphs of {size} tokens and {self.tables.max_pages} pages per request (max_pages_per_request)"
+            )
+        pad = size - n  # stand-in requests, one token each; requests r + pad .. size - 1 are empty
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous refill's copy has read the host buffer
+        h = self._host_ints
+        h[: r + 1] = md.query_starts
+        h[r + 1 : r + 1 + pad] = np.arange(n + 1, size + 1)
+        h[r + 1 + pad : size + 1] = size
+        seq = h[size + 1 : 2 * size + 1]
+        seq[:r] = np.add(md.query_lens, md.prefix_lens)
+        seq[r : r + pad] = 1
+        seq[r + pad :] = 0
+        prefix = h[2 * size + 1 : 3 * size + 1]
+        prefix[:r] = md.prefix_lens
+        prefix[r:] = 0
+        h[3 * size + 1] = n
+        decode = self._host_decode
+        decode[:r] = md.decode_flags
+        decode[r : r + pad] = 1
+        decode[r + pad :] = 0
+        self._device_bytes.copy_(self._host_bytes, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self._device))  # the copy's stream
+        self.tables.fill(md)
+        # The batch over these buffers: its host fields and host-derived values as they are
+        # (with_device_tensors checks nothing again: replace() would, at a measurable part
+        # of a replay's host time).
+        return md.with_device_tensors(**self._device_fields)
+
+
+def dummy_metadata(size: int, decode_only: bool, page_size: int, device: torch.device) -> AttentionMetadata:
+    """A batch of ``size`` tokens that writes nothing to the cache (slots -1) and reads page 0."""
+    if decode_only:
+        return AttentionMetadata.stand_in(
+            [1] * size, [1] * size, torch.zeros(size, 1, dtype=torch.int32), page_size,
+            [ForwardMode.DECODE] * size, device=device,
+        )
+    pages = -(-size // page_size)
+    return AttentionMetadata.stand_in([size], [0], torch.zeros(1, pages, dtype=torch.int32), page_size, device=device)
+
+
 class PieceCall:
     """Calls one compiled piece (or the full graph)."""
 
@@ -186,8 +318,8 @@ class StepRunner:
         self.sizes = stager.sizes if stager is not None else config.sizes_to_capture
         self.captures = pool is not None and stager is not None and bool(self.sizes)
         self.full_graphs: dict[tuple[int, bool], cudagraph.Captured] = {}
-        self.static_metadata: dict[int, cudagraph.StaticMetadata] = {}
-        self.tables: cudagraph.StaticTables | None = None
+        self.static_metadata: dict[int, StaticMetadata] = {}
+        self.tables: StaticTables | None = None
         self.on_first_call: Callable[[], None] | None = None
         self._first_call = True
         self._planners: dict[tuple[int, bool], tuple[AttentionImpl, ...]] = {}
@@ -291,15 +423,15 @@ class StepRunner:
         with derived_context(ctx, config=self.config, variant=GraphMode.PIECEWISE, padded_size=size):
             return self.piecewise(*staged)
 
-    def _static(self, size: int, ctx: ForwardContext) -> cudagraph.StaticMetadata:
+    def _static(self, size: int, ctx: ForwardContext) -> StaticMetadata:
         static = self.static_metadata.get(size)
         if static is None:
             if self.tables is None:
                 width = self.config.max_pages_per_request or max(
                     (c.num_pages for c in ctx.kv_caches.values()), default=1
                 )
-                self.tables = cudagraph.StaticTables(self.sizes[-1], width, self.device)
-            static = self.static_metadata[size] = cudagraph.StaticMetadata(size, self.tables, self.device)
+                self.tables = StaticTables(self.sizes[-1], width, self.device)
+            static = self.static_metadata[size] = StaticMetadata(size, self.tables, self.device)
         return static
 
     def _replay_full(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
@@ -353,7 +485,7 @@ class StepRunner:
     def _capture(self, jobs: list[tuple[GraphMode, int, bool]], args: tuple[Any, ...], ctx: ForwardContext,
                  page_size: int, bar: Callable[..., None]) -> None:
         for variant, size, decode_only in jobs:
-            md = cudagraph.dummy_metadata(size, decode_only, page_size, self.device)
+            md = dummy_metadata(size, decode_only, page_size, self.device)
             staged = self.stager.dummy(args, size)
             with derived_context(ctx, config=self.config, variant=variant, padded_size=size, metadata=md) as dummy, \
                     torch.inference_mode():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fullcg
-from fullcg import cudagraph, errors
+from fullcg import errors, runner
 from fullcg.metadata import _DEVICE_FIELDS, _FIELDS, _HOST_DERIVED, _SLOTS, AttentionMetadata, ForwardMode
 
 _HOST_FIELDS = tuple(name for name in _FIELDS if name not in _DEVICE_FIELDS)
@@ -259,7 +259,7 @@ def test_with_device_tensors_needs_every_device_tensor_by_name():
 
 def test_static_metadata_fill_gives_the_batch_over_the_static_buffers():
     cpu = torch.device("cpu")
-    static = cudagraph.StaticMetadata(8, cudagraph.StaticTables(8, 6, cpu), cpu)
+    static = runner.StaticMetadata(8, runner.StaticTables(8, 6, cpu), cpu)
     md = _batch()
     filled = static.fill(md)
     for name, buffer in (("page_table", static.page_table), ("slot_mapping", static.slot_mapping),

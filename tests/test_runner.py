@@ -70,7 +70,7 @@ def test_inputs_are_staged_into_fixed_buffers_and_size_inputs_become_the_padded_
 
 
 def test_static_metadata_pads_requests_and_keeps_its_addresses():
-    static = cudagraph.StaticMetadata(8, cudagraph.StaticTables(8, 6, torch.device("cpu")), torch.device("cpu"))
+    static = runner.StaticMetadata(8, runner.StaticTables(8, 6, torch.device("cpu")), torch.device("cpu"))
     addresses = [t.data_ptr() for t in (static.query_start_loc, static.slot_mapping, static.page_table)]
     b = make_batch([3, 1, 1], [0, 5, 9])  # 5 tokens, 3 requests, padded to 8
     md = static.fill(b.metadata)
@@ -90,7 +90,7 @@ def test_static_metadata_pads_requests_and_keeps_its_addresses():
 
 
 def test_static_metadata_refills_clear_what_a_larger_batch_left():
-    static = cudagraph.StaticMetadata(8, cudagraph.StaticTables(8, 6, torch.device("cpu")), torch.device("cpu"))
+    static = runner.StaticMetadata(8, runner.StaticTables(8, 6, torch.device("cpu")), torch.device("cpu"))
     large, small = make_batch([1] * 5, [3, 4, 5, 6, 7]).metadata, make_batch([2], [4]).metadata
     static.fill(large)
     md = static.fill(small)
@@ -104,9 +104,9 @@ def test_static_metadata_refills_clear_what_a_larger_batch_left():
 
 
 def test_stand_in_batches_write_nothing_to_the_cache():
-    md = cudagraph.dummy_metadata(4, decode_only=True, page_size=16, device=torch.device("cpu"))
+    md = runner.dummy_metadata(4, decode_only=True, page_size=16, device=torch.device("cpu"))
     assert md.is_decode_only and (md.slot_mapping == -1).all()
-    md = cudagraph.dummy_metadata(40, decode_only=False, page_size=16, device=torch.device("cpu"))
+    md = runner.dummy_metadata(40, decode_only=False, page_size=16, device=torch.device("cpu"))
     assert md.forward_modes == (fullcg.ForwardMode.PREFILL,) and md.num_tokens == 40 and (md.slot_mapping == -1).all()
 
 
@@ -187,9 +187,9 @@ def test_capture_all_captures_exactly_what_the_policy_replays(mode, impl, option
 
 
 def test_static_tables_are_shared_by_every_capture_size_and_sized_by_max_pages_per_request():
-    tables = cudagraph.StaticTables(16, 3, torch.device("cpu"))
-    small = cudagraph.StaticMetadata(4, tables, torch.device("cpu"))
-    large = cudagraph.StaticMetadata(16, tables, torch.device("cpu"))
+    tables = runner.StaticTables(16, 3, torch.device("cpu"))
+    small = runner.StaticMetadata(4, tables, torch.device("cpu"))
+    large = runner.StaticMetadata(16, tables, torch.device("cpu"))
     assert small.page_table.data_ptr() == large.page_table.data_ptr() == tables.page_table.data_ptr()
     fits = make_batch([1, 1], [3, 40], page_size=16).metadata  # 41 tokens: 3 pages of 16
     too_long = make_batch([1], [48], page_size=16).metadata  # 49 tokens: 4 pages

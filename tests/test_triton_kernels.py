@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed; `pip install triton` runs these tests on the CPU")
 
 import fullcg  # noqa: E402
-from fullcg import cudagraph  # noqa: E402
+from fullcg import runner  # noqa: E402
 import fullcg.ops.impl.triton  # noqa: E402,F401  (registers the "triton" implementation)
 from fullcg import telemetry  # noqa: E402
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig  # noqa: E402
@@ -293,7 +293,7 @@ def test_padded_static_metadata_gives_the_real_rows_and_zero_padding(name):
     # What a full CUDA graph replays: the batch padded with stand-in and empty requests.
     b = batch(name)
     n, size = b.metadata.num_tokens, b.metadata.num_tokens + 3
-    static = cudagraph.StaticMetadata(size, cudagraph.StaticTables(size, b.metadata.page_table.shape[1] + 2, DEVICE), DEVICE)
+    static = runner.StaticMetadata(size, runner.StaticTables(size, b.metadata.page_table.shape[1] + 2, DEVICE), DEVICE)
     padded_md = static.fill(b.metadata)
 
     def pad(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ pytest.importorskip("triton", reason="triton is not installed; `pip install trit
 
 import fullcg  # noqa: E402
 import fullcg.ops.impl.triton  # noqa: E402,F401  (registers the "triton" implementation)
-from fullcg import cudagraph, telemetry  # noqa: E402
+from fullcg import runner, telemetry  # noqa: E402
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig  # noqa: E402
 from fullcg.ops.kernels import launch  # noqa: E402
 from fullcg.ops.kernels.decode import plan_decode, window_tiles  # noqa: E402
@@ -324,7 +324,7 @@ def test_a_windowed_decode_plan_over_32k_keys_launches_only_the_windows_runs(fac
 def test_padded_static_metadata_with_a_window_gives_the_real_rows_and_zero_padding(name):
     b = batch(name, 5, SOFTCAP)
     n, size = b.metadata.num_tokens, b.metadata.num_tokens + 3
-    static = cudagraph.StaticMetadata(size, cudagraph.StaticTables(size, b.metadata.page_table.shape[1] + 2, DEVICE),
+    static = runner.StaticMetadata(size, runner.StaticTables(size, b.metadata.page_table.shape[1] + 2, DEVICE),
                                       DEVICE)
     padded_md = static.fill(b.metadata)
 
