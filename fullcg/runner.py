@@ -101,13 +101,21 @@ class InputStager:
         self.sizes = sizes
         self.admits = admits
 
-    def num_tokens(self, args: Sequence[Any]) -> int | None:
+    def pad(self, args: Sequence[Any]) -> tuple[int | None, int | None]:
+        """(tokens, capture size) of a step's inputs: the size they are padded to, None when
+        they exceed the largest (or the inputs disagree on the token count)."""
         if not self.token_args:
-            return None
+            return None, None
         n = args[self.token_args[0]].shape[0]
         if any(args[i].shape[0] != n for i in self.token_args) or any(args[i] != n for i in self.size_args):
-            return None  # inputs with different token counts: not a shape this runner can pad
-        return n
+            return None, None  # inputs with different token counts: not a shape this runner can pad
+        sizes = self.sizes
+        i = bisect.bisect_left(sizes, n)
+        return n, (sizes[i] if i < len(sizes) else None)
+
+    def num_tokens(self, args: Sequence[Any]) -> int | None:
+        """The token count of a step's inputs (None: they disagree on it)."""
+        return self.pad(args)[0]
 
     def stage(self, args: Sequence[Any], n: int, size: int) -> list[Any]:
         staged = list(args)
@@ -212,8 +220,20 @@ class StaticMetadata:
         return md.pages_needed <= self.tables.max_pages and md.num_tokens <= self.size
 
     def fill(self, md: AttentionMetadata) -> AttentionMetadata:
+        """:meth:`refill` with ``md``, and the batch with its device tensors swapped for these
+        buffers (:meth:`metadata`)."""
+        self.refill(md)
+        return self.metadata(md)
+
+    def metadata(self, md: AttentionMetadata) -> AttentionMetadata:
+        """``md`` with its device tensors swapped for these buffers (host fields and what
+        derives from them unchanged): what attention inside a full graph reads."""
+        return md.with_device_tensors(**self._device_fields)
+
+    def refill(self, md: AttentionMetadata) -> None:
+        """Write batch ``md`` into the buffers (padded as the class doc says)."""
         size, n, r = self.size, md.num_tokens, md.num_requests
-        if not self.fits(md):
+        if md.pages_needed > self.tables.max_pages or n > size:  # (fits(), inline: the per-step path)
             raise ValueError(
                 f"a batch of {n} tokens whose longest request needs {md.pages_needed} pages does not fit captured "
                 f"graphs of {size} tokens and {self.tables.max_pages} pages per request (max_pages_per_request)"
@@ -241,10 +261,6 @@ class StaticMetadata:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self._device))  # the copy's stream
         self.tables.fill(md)
-        # The batch over these buffers: its host fields and host-derived values as they are
-        # (with_device_tensors checks nothing again: replace() would, at a measurable part
-        # of a replay's host time).
-        return md.with_device_tensors(**self._device_fields)
 
 
 def dummy_metadata(size: int, decode_only: bool, page_size: int, device: torch.device) -> AttentionMetadata:
@@ -353,7 +369,7 @@ class StepRunner:
         if self.full is None:
             return piecewise
         if self.config.graph_mode is GraphMode.AUTO:
-            if not self.full_capture_ok():
+            if not (self._full_ok if self._full_ok is not None else self.full_capture_ok()):
                 return piecewise
             limit = self.config.auto_full_max_tokens
             return full if decode_only or limit is None or tokens <= limit else piecewise
@@ -362,62 +378,57 @@ class StepRunner:
     # ------------------------------------------------------------------ the step
 
     def __call__(self, *args: Any) -> Any:
-        out = self._step(args)
-        calls = getattr(_observed, "calls", None)
-        if calls is not None:
-            calls.append((self, args, out))
-        return out
-
-    def _step(self, args: tuple[Any, ...]) -> Any:
+        """Run one step: pick the variant and the capture size, then replay (fill the graph's
+        buffers, replay its CUDA graphs) or run the variant uncaptured."""
         ctx = get_forward_context()
         if self._first_call:
             self._first_step(args, ctx)
         elif self.captures and _take_capture_request():
             self.capture_all(args, ctx)
-        variant, n, size = self._dispatch_key(args, ctx)
+        md = ctx.metadata
+        n, size = self.stager.pad(args) if self.captures else (None, None)
+        variant = self.choose(md.is_decode_only, size or n or md.num_tokens)
+        if size is not None and variant is GraphMode.FULL:
+            if not self._full_ok:
+                size = None
+            elif not self._static(size, ctx).fits(md):
+                # Requests longer than the static page table: piecewise pieces need none.
+                if self.piecewise is not None:
+                    variant = GraphMode.PIECEWISE
+                else:
+                    size = None
         if size is None:
             self.counts.add(f"{variant.value}:eager")
             graph = self.full if variant is GraphMode.FULL else self.piecewise
             with derived_context(ctx, config=self.config, variant=variant, padded_size=None), torch.no_grad():
-                return graph(*args)
-        self.counts.add(f"{variant.value}:captured")
-        # Inference mode throughout: graph outputs made while capturing under it are updated
-        # in place by eager split points on later steps, which only inference mode allows.
-        with torch.inference_mode():
-            staged = self.stager.stage(args, n, size)
-            if variant is GraphMode.FULL:
-                out = self._replay_full(ctx, staged, size)
-            else:
-                out = self._run_piecewise(ctx, staged, size)
-        return _slice_tokens(out, self.token_outputs, n)
+                out = graph(*args)
+        else:
+            self.counts.add(f"{variant.value}:captured")
+            # Inference mode throughout: graph outputs made while capturing under it are updated
+            # in place by eager split points on later steps, which only inference mode allows.
+            with torch.inference_mode():
+                staged = self.stager.stage(args, n, size)
+                if variant is GraphMode.FULL:
+                    out = self._replay_full(ctx, staged, size)
+                else:
+                    out = self._run_piecewise(ctx, staged, size)
+            out = _slice_tokens(out, self.token_outputs, n)
+        calls = getattr(_observed, "calls", None)
+        if calls is not None:
+            calls.append((self, args, out))
+        return out
 
     def _first_step(self, args: tuple[Any, ...], ctx: ForwardContext) -> None:
         self._first_call = False
         if self.on_first_call is not None:
             hook, self.on_first_call = self.on_first_call, None
             hook()
+        self.full_capture_ok()  # decided (and warned about) once
         # The caches of a compiled model: an eager step over them is its fallback (see telemetry).
         for cache in ctx.kv_caches.values():
             cache.compiled_counts = self.counts
         if self.captures and (_take_capture_request() or self.config.capture_on_compile):
             self.capture_all(args, ctx)
-
-    def _dispatch_key(self, args: tuple[Any, ...], ctx: ForwardContext) -> tuple[GraphMode, int | None, int | None]:
-        """(variant, real tokens, capture size) of the step; the size is None when the step
-        runs uncaptured."""
-        n = self.stager.num_tokens(args) if self.captures else None
-        size = padded_size(n, self.sizes) if n is not None else None
-        variant = self.choose(ctx.metadata.is_decode_only, size or n or ctx.metadata.num_tokens)
-        if size is not None and variant is GraphMode.FULL:
-            if not self.full_capture_ok():
-                size = None
-            elif not self._static(size, ctx).fits(ctx.metadata):
-                # Requests longer than the static page table: piecewise pieces need none.
-                if self.piecewise is not None:
-                    variant = GraphMode.PIECEWISE
-                else:
-                    size = None
-        return variant, n, size
 
     def _run_piecewise(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
         with derived_context(ctx, config=self.config, variant=GraphMode.PIECEWISE, padded_size=size):
@@ -435,14 +446,22 @@ class StepRunner:
         return static
 
     def _replay_full(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
-        """Fill the static metadata of ``size``, plan the host side of attention, replay the
-        full graph of ``size`` and the batch kind (captured on first use)."""
-        md = self._static(size, ctx).fill(ctx.metadata)
-        key = (size, ctx.metadata.is_decode_only)
-        static_ctx = derived(ctx, config=self.config, variant=GraphMode.FULL, padded_size=size, metadata=md)
+        """Fill the static metadata of ``size``, replay the full graph of ``size`` and the
+        batch kind (captured on first use), after the host-side plans of the attention
+        implementations that make them. Without a capture or a plan to make, nothing in
+        the replay reads a forward context, so none is entered."""
+        static = self.static_metadata.get(size) or self._static(size, ctx)  # (made here when capturing up front)
+        md = ctx.metadata
+        static.refill(md)
+        key = (size, md.is_decode_only)
+        entry = self.full_graphs.get(key)
+        if entry is not None and not self._planners[key]:
+            entry.graph.replay()
+            return entry.output
+        static_ctx = derived(ctx, config=self.config, variant=GraphMode.FULL, padded_size=size,
+                             metadata=static.metadata(md))
         enter(static_ctx)
         try:
-            entry = self.full_graphs.get(key)
             if entry is None:
                 entry = self.full_graphs[key] = cudagraph.capture_graph(
                     self.full, staged, self.device, self.pool, before_capture=static_ctx.step.clear
