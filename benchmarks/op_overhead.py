@@ -66,7 +66,7 @@ def _step_context(md, layer, config):
                     yield derived
 
         return both()
-    return fullcg.forward_context(md, layer, config=config, breakable=True)
+    return fullcg.forward_context(md, layer, config=config, breakable=True)  # releases before derived contexts
 
 
 def _split_point_call(layer, q, k, v, out):
@@ -187,7 +187,7 @@ def cpu(args: argparse.Namespace) -> dict:
 def triton_host_work(args: argparse.Namespace) -> dict:
     """fullcg's own host work per call of the triton implementation, on the CPU: its kernel
     launches replaced by no-ops (``TRITON_INTERPRET=1`` lets it take CPU tensors), so what is
-    measured is planning, memo lookups, argument assembly and dispatch; the GPU figure less
+    measured is planning, the step state's lookups, argument assembly and dispatch; the GPU figure less
     this one is what the launches themselves cost. 8B layer shape, decode."""
     if importlib.util.find_spec("triton") is None:
         return {"host_us_per_call_triton_launches_stubbed": None}

@@ -2,8 +2,9 @@
 
 fullcg's hot path (op dispatch, replay) and startup lean on a few torch internals because
 their public counterparts cost measurable time per call. Keeping them here means a torch
-upgrade that moves one breaks one function (and ``tests/test_compat.py``), not several
-modules. Triton's compiled-launcher entry point is wrapped the same way, in
+upgrade that moves one breaks one function, not several
+modules (``tests/test_step_state.py`` checks each on the installed torch). Triton's
+compiled-launcher entry point is wrapped the same way, in
 :mod:`fullcg.ops.kernels.launch`, the only module that launches Triton kernels.
 """
 

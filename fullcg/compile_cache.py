@@ -57,6 +57,7 @@ import torch.fx
 from fullcg import cache_trust
 from fullcg.cache_trust import ENV_CACHE_KEY
 from fullcg.config import FullCGConfig
+from fullcg.diagnostics import log_once
 from fullcg.errors import InvalidConfigError
 from fullcg.passes.piece_key import input_signature
 
@@ -95,7 +96,6 @@ _SHARE_HINT = ("to share a cache on purpose, see 'Caches and trust' in docs/conf
 logger = logging.getLogger(__name__)
 _stats: collections.Counter[str] = collections.Counter()
 _stats_lock = threading.Lock()
-_warned: set[str] = set()
 _FILE_RE = re.compile(r'File "([^"]+)", line \d+')
 
 
@@ -125,9 +125,7 @@ def _count(what: str) -> None:
 
 
 def _warn_once(path: Path, message: str, *args: Any) -> None:
-    if str(path) not in _warned:
-        _warned.add(str(path))
-        logger.warning(message, *args)
+    log_once(("compile cache", str(path)), logger, logging.WARNING, message, *args)
 
 
 def _truthy_env(name: str) -> bool:

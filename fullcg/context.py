@@ -38,6 +38,11 @@ from fullcg.metadata import AttentionMetadata
 __all__ = [
     "CacheOwner",
     "ForwardContext",
+    "StepState",
+    "current_context",
+    "derived",
+    "enter",
+    "leave",
     "forward_context",
     "derived_context",
     "get_forward_context",
@@ -345,7 +350,7 @@ def derived(
     """The context :func:`derived_context` enters (for :func:`enter`/:func:`leave`)."""
     return ForwardContext(
         metadata if metadata is not None else ctx.metadata, ctx.kv_caches, config,
-        source=ctx.source, compiled=True, variant=variant, padded_size=padded_size,
+        source=ctx.source, compiled=True, variant=GraphMode(variant), padded_size=padded_size,
     )
 
 

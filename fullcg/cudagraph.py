@@ -10,7 +10,7 @@ memory pool.
   step's real metadata, and their outputs are copied into fixed *bridge* buffers so the
   next piece always reads the same addresses.
 - Full: the whole step is one graph per ``(S, decode-only)``. Attention runs inside it,
-  so it reads per-step metadata from :class:`StaticMetadata` buffers that are refilled
+  so it reads per-step metadata from :class:`fullcg.runner.StaticMetadata` buffers that are refilled
   before each replay (and the implementation's ``plan`` runs first, outside capture).
 
 Outputs are views of static buffers: valid until the next step (all sizes share one
@@ -59,7 +59,7 @@ def capture_graph(
     ``pool`` is one compiled graph's pool (``torch.cuda.graph_pool_handle()``), shared by all
     its pieces and sizes. It lives as long as its graphs: a pool whose graphs were all freed
     cannot be captured into again. ``before_capture`` runs between warm-up and capture
-    (the runner drops the step's memo there: buffers the warm-up made must not be baked
+    (the runner clears the step's ``StepState`` there: buffers the warm-up made must not be baked
     into the graph, which would outlive them).
     """
     with counts_discarded():  # the step is computed by the replay after capture, not by this run

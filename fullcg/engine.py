@@ -444,7 +444,7 @@ def generate(
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers or any(a.kv_cache is None for a in layers):
         raise RuntimeError(
-            f"{type(model).__name__} needs a paged KV cache in every Attention layer: allocate it "
+            f"{type(model).__name__} needs a paged KV cache in every fullcg.Attention layer: allocate it "
             "(e.g. model.allocate_kv_cache(num_pages, page_size)) or, for a transformers model, call "
             "fullcg.integrations.transformers.prepare(model, num_pages=..., page_size=...)"
         )

@@ -77,6 +77,11 @@ def _take_capture_request() -> bool:
     return requested
 
 
+#: The step counters' key of (variant, captured): ``full:captured``, ``piecewise:eager``, ...
+_COUNT_KEYS = {(mode, captured): f"{mode.value}:{'captured' if captured else 'eager'}"
+               for mode in (GraphMode.FULL, GraphMode.PIECEWISE) for captured in (False, True)}
+
+
 def padded_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
     """The smallest capture size >= ``num_tokens``; None when the batch is too large."""
     i = bisect.bisect_left(sizes, num_tokens)
@@ -152,13 +157,11 @@ class StaticTables:
         self._table_rows = 0  # rows the last batch wrote (the rest are zeros)
         self._table_cols = 0  # columns the last batch wrote
         self._slots = 0  # slots the last batch wrote (the rest are -1)
-
-    @property
-    def max_pages(self) -> int:
-        return self.page_table.shape[1]
+        #: Pages per request the table holds (``max_pages_per_request``).
+        self.max_pages = max_pages
 
     def fill(self, md: AttentionMetadata) -> None:
-        r, n = md.num_requests, md.num_tokens
+        r, n = len(md.query_lens), md.num_tokens
         cols = min(md.page_table.shape[1], self.max_pages)
         if self._table_rows > r or self._table_cols > cols:
             self.page_table[: self._table_rows, : self._table_cols].zero_()
@@ -190,6 +193,8 @@ class StaticMetadata:
     def _allocate(self, size: int, tables: StaticTables, device: torch.device) -> None:
         self.size = size
         self.tables = tables
+        #: Pages per request the shared table holds.
+        self.max_pages = tables.max_pages
         # int32 query_start_loc | seq_lens | prefix_lens | num_tokens, then bool is_decode:
         # views of one byte buffer, so one copy refills them all.
         num_ints = 3 * size + 2
@@ -217,7 +222,7 @@ class StaticMetadata:
 
     def fits(self, md: AttentionMetadata) -> bool:
         """Whether the batch's requests fit the static page table (and its tokens this size)."""
-        return md.pages_needed <= self.tables.max_pages and md.num_tokens <= self.size
+        return md.pages_needed <= self.max_pages and md.num_tokens <= self.size
 
     def fill(self, md: AttentionMetadata) -> AttentionMetadata:
         """:meth:`refill` with ``md``, and the batch with its device tensors swapped for these
@@ -232,8 +237,8 @@ class StaticMetadata:
 
     def refill(self, md: AttentionMetadata) -> None:
         """Write batch ``md`` into the buffers (padded as the class doc says)."""
-        size, n, r = self.size, md.num_tokens, md.num_requests
-        if md.pages_needed > self.tables.max_pages or n > size:  # (fits(), inline: the per-step path)
+        size, n, r = self.size, md.num_tokens, len(md.query_lens)
+        if md.pages_needed > self.max_pages or n > size:  # (fits(), inline: the per-step path)
             raise ValueError(
                 f"a batch of {n} tokens whose longest request needs {md.pages_needed} pages does not fit captured "
                 f"graphs of {size} tokens and {self.tables.max_pages} pages per request (max_pages_per_request)"
@@ -383,33 +388,36 @@ class StepRunner:
         ctx = get_forward_context()
         if self._first_call:
             self._first_step(args, ctx)
-        elif self.captures and _take_capture_request():
+        elif self.captures and getattr(_capture, "requested", False):
+            _take_capture_request()
             self.capture_all(args, ctx)
         md = ctx.metadata
         n, size = self.stager.pad(args) if self.captures else (None, None)
         variant = self.choose(md.is_decode_only, size or n or md.num_tokens)
+        static = None
         if size is not None and variant is GraphMode.FULL:
+            static = self.static_metadata.get(size) or self._static(size, ctx)
             if not self._full_ok:
                 size = None
-            elif not self._static(size, ctx).fits(md):
+            elif md.pages_needed > static.max_pages:
                 # Requests longer than the static page table: piecewise pieces need none.
                 if self.piecewise is not None:
                     variant = GraphMode.PIECEWISE
                 else:
                     size = None
         if size is None:
-            self.counts.add(f"{variant.value}:eager")
+            self.counts.add(_COUNT_KEYS[variant, False])
             graph = self.full if variant is GraphMode.FULL else self.piecewise
             with derived_context(ctx, config=self.config, variant=variant, padded_size=None), torch.no_grad():
                 out = graph(*args)
         else:
-            self.counts.add(f"{variant.value}:captured")
+            self.counts.add(_COUNT_KEYS[variant, True])
             # Inference mode throughout: graph outputs made while capturing under it are updated
             # in place by eager split points on later steps, which only inference mode allows.
             with torch.inference_mode():
                 staged = self.stager.stage(args, n, size)
                 if variant is GraphMode.FULL:
-                    out = self._replay_full(ctx, staged, size)
+                    out = self._replay_full(ctx, staged, size, static)
                 else:
                     out = self._run_piecewise(ctx, staged, size)
             out = _slice_tokens(out, self.token_outputs, n)
@@ -419,7 +427,6 @@ class StepRunner:
         return out
 
     def _first_step(self, args: tuple[Any, ...], ctx: ForwardContext) -> None:
-        self._first_call = False
         if self.on_first_call is not None:
             hook, self.on_first_call = self.on_first_call, None
             hook()
@@ -427,6 +434,7 @@ class StepRunner:
         # The caches of a compiled model: an eager step over them is its fallback (see telemetry).
         for cache in ctx.kv_caches.values():
             cache.compiled_counts = self.counts
+        self._first_call = False  # only now: a step that failed above sets up again
         if self.captures and (_take_capture_request() or self.config.capture_on_compile):
             self.capture_all(args, ctx)
 
@@ -445,12 +453,14 @@ class StepRunner:
             static = self.static_metadata[size] = StaticMetadata(size, self.tables, self.device)
         return static
 
-    def _replay_full(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
+    def _replay_full(self, ctx: ForwardContext, staged: list[Any], size: int,
+                     static: StaticMetadata | None = None) -> Any:
         """Fill the static metadata of ``size``, replay the full graph of ``size`` and the
         batch kind (captured on first use), after the host-side plans of the attention
         implementations that make them. Without a capture or a plan to make, nothing in
         the replay reads a forward context, so none is entered."""
-        static = self.static_metadata.get(size) or self._static(size, ctx)  # (made here when capturing up front)
+        if static is None:  # capturing up front
+            static = self.static_metadata.get(size) or self._static(size, ctx)
         md = ctx.metadata
         static.refill(md)
         key = (size, md.is_decode_only)

@@ -74,7 +74,8 @@ _model_counts: weakref.WeakSet[StepCounts] = weakref.WeakSet()
 def model_counts() -> StepCounts:
     """New counts for one compiled model, adding up into the process's total."""
     counts = StepCounts(_process_total)
-    _model_counts.add(counts)
+    with _steps_lock:
+        _model_counts.add(counts)
     return counts
 
 
@@ -86,10 +87,11 @@ def graph_mode_counts() -> collections.Counter[str]:
 
 
 def reset_graph_mode_counts() -> None:
-    """Zero the process's total and every model's counts."""
-    _process_total.reset()
-    for counts in list(_model_counts):
-        counts.reset()
+    """Zero the process's total and every model's counts, at once (under the counters' lock)."""
+    with _steps_lock:
+        _process_total._counts.clear()
+        for counts in list(_model_counts):
+            counts._counts.clear()
 
 
 def count_fallback(counts: StepCounts, source: str) -> None:

@@ -251,3 +251,44 @@ def test_a_capture_request_no_runner_took_does_not_outlive_the_capture_call():
     with torch.inference_mode():
         fullcg.capture(model, md, model, torch.tensor([3, 4]), torch.arange(2))
     assert not _take_capture_request()
+
+
+class _RecordingGraph:
+    """Stands in for a captured CUDA graph: records the forward context its replays see."""
+
+    def __init__(self) -> None:
+        self.seen: list[object] = []
+
+    def replay(self) -> None:
+        self.seen.append(fullcg.context.current_context())
+
+
+@pytest.mark.parametrize("plans", [False, True], ids=["nothing-to-plan", "host-side-plans"])
+def test_a_full_replay_enters_a_context_only_for_implementations_that_plan(plans):
+    """A replay runs no Python inside the graph: without a host-side plan to make, it just
+    refills the static buffers and replays; a planning implementation gets a context whose
+    metadata is those buffers."""
+    planned: list[object] = []
+
+    class Planner(AttentionImpl):
+        name = "planner-stub"
+
+        def plan(self, ctx):
+            planned.append(ctx)
+
+    config = fullcg.FullCGConfig(attention_impl="reference", graph_mode="full", capture_sizes=(4,))
+    step = runner.StepRunner(config, piecewise=None, full=lambda *a: a, device=torch.device("cpu"))
+    b = make_batch([1, 1], [3, 5])
+    graph = _RecordingGraph()
+    key = (4, True)
+    step.full_graphs[key] = cudagraph.Captured(graph, "out", ())
+    step._planners[key] = (Planner(),) if plans else ()
+    with fullcg.forward_context(b.metadata, b.layer) as user:
+        assert step._replay_full(user, [], 4) == "out"
+    static = step.static_metadata[4]
+    assert static.num_tokens.item() == 2, "the buffers hold the batch"
+    if plans:
+        (ctx,) = planned
+        assert graph.seen == [ctx] and ctx.metadata.page_table is static.page_table and ctx.variant == "full"
+    else:
+        assert graph.seen == [user], "the caller's context, no derived one"

@@ -80,7 +80,3 @@ class AutoAttention(AttentionImpl):
 
     def supports(self, head_dim: int, v_head_dim: int) -> bool:
         return self.flashinfer.supports(head_dim, v_head_dim) or self.triton.supports(head_dim, v_head_dim)
-
-    def plan(self, ctx: ForwardContext) -> None:
-        """Nothing: the step's state names what its calls ran (:meth:`fullcg.context.StepState.resolved`
-        returns those too), and replays plan only those."""
