@@ -40,6 +40,7 @@ __all__ = [
     "ForwardContext",
     "StepState",
     "current_context",
+    "current_context_and_facts",
     "derived",
     "enter",
     "leave",
@@ -362,9 +363,15 @@ STATIC_FACTS = ("num_prefix_chunks", "prefix_chunk_tokens", "prefill_factor", "d
 def static_facts() -> tuple[object, ...]:
     """The static facts of this thread's innermost context (named by :data:`STATIC_FACTS`):
     what traced code may read, so what Dynamo guards on when it does."""
+    return current_context_and_facts()[1]
+
+
+def current_context_and_facts() -> tuple[ForwardContext | None, tuple[object, ...]]:
+    """:func:`current_context` and :func:`static_facts` in one call (direct dispatch's per-step path)."""
     state = _state
-    return (state.num_prefix_chunks, state.prefix_chunk_tokens, state.prefill_factor,
-            state.decode_factor, state.layer_factors)
+    stack = state.stack
+    return (stack[-1] if stack else None), (state.num_prefix_chunks, state.prefix_chunk_tokens, state.prefill_factor,
+                                            state.decode_factor, state.layer_factors)
 
 
 def has_forward_context() -> bool:

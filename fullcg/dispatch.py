@@ -145,12 +145,12 @@ class DirectDispatch:
         """The step's output, or :data:`MISS` when the step must go through Dynamo."""
         if not self._routes:
             return MISS
-        ctx = context.current_context()
+        ctx, facts = context.current_context_and_facts()
         if ctx is None or not args or (ctx.kv_caches is not self._kv_caches and ctx.kv_caches != self._kv_caches):
             return MISS  # (a model's cache map is one object until a cache changes; a mapping is compared)
         if not isinstance(args[0], torch.Tensor) or len(args) != len(self._signature):
             return MISS
-        key = (args[0].shape[0], context.static_facts())
+        key = (args[0].shape[0], facts)
         route = self._by_key.get(key, MISS)
         if route is MISS:
             route = self._by_key[key] = self._route_for(*key)
