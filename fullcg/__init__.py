@@ -2,7 +2,8 @@
 
 The public surface:
 
-- :class:`Attention`: the layer a decoder uses for attention;
+- :class:`Attention`: the layer a decoder uses for attention; :class:`MLAAttention`, its
+  multi-head latent form (DeepSeek) over a latent cache;
 - :func:`compile`: compile a model with fullcg, its token dimension dynamic from the first step;
 - :class:`Backend`: the compile backend, configured (``backend="fullcg"`` also works);
 - :func:`forward_context`, :class:`AttentionMetadata`, :class:`ForwardMode`: per-step data;
@@ -29,6 +30,7 @@ from fullcg.context import forward_context, get_forward_context
 from fullcg.metadata import AttentionMetadata, ForwardMode
 from fullcg.kv_cache import KVCache
 from fullcg.layer import Attention
+from fullcg.mla import MLAAttention
 from fullcg.ownership import PageOwnership
 from fullcg import errors
 from fullcg.ops import merge_attn_states
@@ -45,6 +47,7 @@ __all__ = [
     "CompiledModel",
     "compile",
     "Attention",
+    "MLAAttention",
     "Backend",
     "AttentionMetadata",
     "ForwardMode",

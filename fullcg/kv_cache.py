@@ -45,12 +45,28 @@ class KVCache:
     #: page size): a call shaped like that needs no new check. Cleared when k or v is replaced.
     fit: tuple[object, ...] | None = dataclasses.field(init=False, repr=False, default=None)
     _v_offset: int | None | bool = dataclasses.field(init=False, repr=False, default=False)  # False: not known yet
+    _v_in_k: bool | None = dataclasses.field(init=False, repr=False, default=None)  # None: not known yet
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("k", "v"):
             object.__setattr__(self, "fit", None)
             object.__setattr__(self, "_v_offset", False)
+            object.__setattr__(self, "_v_in_k", None)
         object.__setattr__(self, name, value)
+
+    @property
+    def v_in_k(self) -> bool:
+        """V is the leading ``v_head_dim`` values of every key (a view of a contiguous ``k``):
+        the latent cache of multi-head latent attention (:mod:`fullcg.mla`), where the value
+        is the latent the key begins with. Only implementations with ``takes_v_in_k`` attend
+        over such a cache (the others' kernels address v as a contiguous tensor)."""
+        if self._v_in_k is None:
+            k, v = self.k, self.v
+            found = (k.is_contiguous() and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+                     and v.shape[:3] == k.shape[:3] and v.shape[3] < k.shape[3]
+                     and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr())
+            object.__setattr__(self, "_v_in_k", found)
+        return self._v_in_k
 
     @property
     def v_offset_pages(self) -> int | None:
@@ -82,9 +98,10 @@ class KVCache:
         if self.k.dtype != self.v.dtype or self.k.device != self.v.device:
             raise KVCacheError("k and v caches must share dtype and device")
         # Slots are addressed as a flat view [pages * page_size, heads, dim], and kernels
-        # compute addresses from the layout: only a contiguous tensor has it.
+        # compute addresses from the layout: only a contiguous tensor has it (or, in a latent
+        # cache, a v that is the leading values of a contiguous k: see v_in_k).
         for name, t in (("k", self.k), ("v", self.v)):
-            if not t.is_contiguous():
+            if not t.is_contiguous() and not (name == "v" and self.v_in_k):
                 raise KVCacheError(
                     f"KV cache {name} must be contiguous [num_pages, page_size, num_kv_heads, head_dim], got strides "
                     f"{t.stride()} for shape {tuple(t.shape)}: pass {name}.contiguous() or use KVCache.allocate"

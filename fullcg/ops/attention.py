@@ -157,6 +157,12 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
         if call.save_kv_cache and not ctx.compiled:
             _check_saved_once(call, ctx)
         impl = step_implementation(ctx, q.device, q.shape[2], v.shape[2])
+        if cache is not None and cache.v_in_k and not impl.takes_v_in_k:
+            raise NotImplementedError(
+                f"fullcg.{name} (layer {call.layer_id}): attention implementation {impl.name!r} cannot attend over a "
+                "latent cache (its v is the leading values of k: multi-head latent attention); run the model with "
+                "attention_impl='reference'"
+            )
         if call.save_kv_cache:
             impl.save_kv(call, ctx, cache)
         lse = impl.forward(call, ctx, cache if call.use_kv_cache else None)

@@ -37,10 +37,14 @@ class AttentionImpl:
             tensors (never host values such as ``query_lens``), sync nothing, and allocate
             only shape-determined memory. Full graphs are captured only with such an
             implementation; others run those steps piecewise.
+        takes_v_in_k: attends over a latent cache (:attr:`fullcg.KVCache.v_in_k`), reading
+            v through its strides.
     """
 
     name: str = ""
     capture_safe: bool = False
+    #: Attends over a latent cache, whose v is the leading values of k (``KVCache.v_in_k``).
+    takes_v_in_k: bool = False
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return LSE ``float32 [T, Hq]`` iff ``call.return_lse``.

@@ -196,6 +196,7 @@ class ReferenceAttention(AttentionImpl):
     """Plain-torch attention for any device; see the module docstring."""
 
     name = "reference"
+    takes_v_in_k = True
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         md = ctx.metadata

@@ -1,0 +1,145 @@
+"""Multi-head latent attention (fullcg.MLAAttention): the absorbed form over a latent cache
+equals attention over decompressed keys and values, eagerly and compiled."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fullcg
+
+H, RANK, NOPE, ROPE, VDIM = 4, 32, 16, 8, 16
+PAGE = 4
+# (query_lens, prefix_lens) per step: two prompts (one in two chunks), then both decode.
+STEPS = [([4, 5], [0, 0]), ([3], [4]), ([1, 1], [7, 5])]
+REQUESTS_OF_STEP = [[0, 1], [0], [0, 1]]
+LENGTHS = {0: 8, 1: 6}
+
+
+def _inputs(seed: int = 0) -> dict[int, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {r: {"q_nope": torch.randn(n, H, NOPE, generator=g), "q_pe": torch.randn(n, H, ROPE, generator=g),
+                "latent": torch.randn(n, RANK, generator=g), "k_pe": torch.randn(n, ROPE, generator=g)}
+            for r, n in LENGTHS.items()}
+
+
+def _kv_b(seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(H * (NOPE + VDIM), RANK, generator=g) / math.sqrt(RANK)
+
+
+def _decompressed(x: dict[str, torch.Tensor], kv_b: torch.Tensor, positions: range) -> torch.Tensor:
+    """Per-head keys [W_UK c ; k_pe] and values W_UV c over the whole sequence, causal."""
+    per_head = kv_b.view(H, NOPE + VDIM, RANK)
+    k_nope = torch.einsum("hnr,sr->shn", per_head[:, :NOPE], x["latent"])
+    v = torch.einsum("hvr,sr->shv", per_head[:, NOPE:], x["latent"])
+    k = torch.cat([k_nope, x["k_pe"][:, None, :].expand(-1, H, -1)], dim=-1)
+    q = torch.cat([x["q_nope"], x["q_pe"]], dim=-1)
+    scale = 1.0 / math.sqrt(NOPE + ROPE)
+    rows = []
+    for p in positions:
+        scores = torch.einsum("hd,shd->hs", q[p], k[: p + 1]) * scale
+        rows.append(torch.einsum("hs,shv->hv", scores.softmax(-1), v[: p + 1]))
+    return torch.stack(rows)
+
+
+def _step_inputs(inputs, step):
+    (q_lens, p_lens), reqs = STEPS[step], REQUESTS_OF_STEP[step]
+    parts = {name: torch.cat([inputs[r][name][p: p + q] for r, q, p in zip(reqs, q_lens, p_lens)])
+             for name in ("q_nope", "q_pe", "latent", "k_pe")}
+    table = torch.stack([torch.arange(r * 4, r * 4 + 4, dtype=torch.int32) for r in reqs])
+    return parts, fullcg.AttentionMetadata.build(q_lens, p_lens, table, PAGE)
+
+
+def _expected(inputs, kv_b, step):
+    (q_lens, p_lens), reqs = STEPS[step], REQUESTS_OF_STEP[step]
+    return torch.cat([_decompressed(inputs[r], kv_b, range(p, p + q)) for r, q, p in zip(reqs, q_lens, p_lens)])
+
+
+def test_the_latent_cache_holds_rank_plus_rope_values_per_token_once():
+    mla = fullcg.MLAAttention(H, RANK, NOPE, ROPE, VDIM, layer_id=0)
+    cache = mla.allocate_kv_cache(8, PAGE)
+    assert tuple(cache.k.shape) == (8, PAGE, 1, RANK + ROPE) and tuple(cache.v.shape) == (8, PAGE, 1, RANK)
+    assert cache.v.untyped_storage().data_ptr() == cache.k.untyped_storage().data_ptr(), "the value is the latent"
+    assert cache.k.untyped_storage().nbytes() == 8 * PAGE * (RANK + ROPE) * 4
+
+
+def test_absorbed_mla_over_the_latent_cache_equals_decompressed_attention_step_by_step():
+    inputs, kv_b = _inputs(), _kv_b()
+    mla = fullcg.MLAAttention(H, RANK, NOPE, ROPE, VDIM, layer_id=0)
+    mla.allocate_kv_cache(8, PAGE)
+    with torch.inference_mode():
+        for step in range(len(STEPS)):
+            parts, md = _step_inputs(inputs, step)
+            with fullcg.forward_context(md, mla):
+                out, lse = mla(**parts, kv_b_weight=kv_b, return_lse=True)
+            torch.testing.assert_close(out, _expected(inputs, kv_b, step), atol=1e-5, rtol=1e-5)
+            assert lse.shape == (md.num_tokens, H) and lse.dtype == torch.float32
+
+
+class _MLAStep(torch.nn.Module):
+    """One MLA layer with its kv_b projection, called with token inputs."""
+
+    def __init__(self, kv_b: torch.Tensor) -> None:
+        super().__init__()
+        self.mla = fullcg.MLAAttention(H, RANK, NOPE, ROPE, VDIM, layer_id=0)
+        self.kv_b = torch.nn.Parameter(kv_b, requires_grad=False)
+
+    def forward(self, q_nope, q_pe, latent, k_pe):
+        return self.mla(q_nope, q_pe, latent, k_pe, self.kv_b)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "none"])
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full", "auto"])
+def test_compiled_mla_equals_decompressed_attention_in_every_graph_mode(compiler, graph_mode):
+    torch._dynamo.reset()
+    inputs, kv_b = _inputs(seed=2), _kv_b(seed=3)
+    model = _MLAStep(kv_b)
+    model.mla.allocate_kv_cache(8, PAGE)
+    run = fullcg.compile(model, compiler=compiler, graph_mode=graph_mode)
+    with torch.inference_mode():
+        for step in range(len(STEPS)):
+            parts, md = _step_inputs(inputs, step)
+            with fullcg.forward_context(md, model):
+                out = run(parts["q_nope"], parts["q_pe"], parts["latent"], parts["k_pe"])
+            torch.testing.assert_close(out, _expected(inputs, kv_b, step), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_and_weights_name_what_mla_expects():
+    mla = fullcg.MLAAttention(H, RANK, NOPE, ROPE, VDIM, layer_id=0)
+    with pytest.raises(ValueError, match=r"kv_b_weight must be \[4 \* \(16 \+ 16\), 32\]"):
+        mla.split_kv_b(torch.zeros(3, RANK))
+    t = 2
+    with pytest.raises(ValueError, match=r"latent must have shape \[2, 32\]"):
+        mla(torch.zeros(t, H, NOPE), torch.zeros(t, H, ROPE), torch.zeros(t, RANK + 1), torch.zeros(t, ROPE), _kv_b())
+    with pytest.raises(ValueError, match="kv_lora_rank must be a positive integer"):
+        fullcg.MLAAttention(H, 0, NOPE, ROPE, VDIM, layer_id=0)
+
+
+def test_an_implementation_that_reads_v_as_contiguous_refuses_a_latent_cache():
+    from fullcg.ops.impl import register_implementation
+    from fullcg.ops.impl.reference import ReferenceAttention
+
+    class ContiguousOnly(ReferenceAttention):
+        name = "contiguous-only"
+        takes_v_in_k = False
+
+    register_implementation(ContiguousOnly())
+    inputs, kv_b = _inputs(), _kv_b()
+    mla = fullcg.MLAAttention(H, RANK, NOPE, ROPE, VDIM, layer_id=0)
+    mla.allocate_kv_cache(8, PAGE)
+    parts, md = _step_inputs(inputs, 0)
+    config = fullcg.FullCGConfig(attention_impl="contiguous-only")
+    with torch.inference_mode(), fullcg.forward_context(md, mla, config=config):
+        with pytest.raises(NotImplementedError, match="cannot attend over a latent cache.*attention_impl='reference'"):
+            mla(**parts, kv_b_weight=kv_b)
+
+
+def test_triton_declines_mla_head_dims_so_auto_passes_over_it():
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from fullcg.ops.impl.triton import TritonAttention
+
+    assert not TritonAttention().supports(RANK + ROPE, RANK) and not TritonAttention().supports(576, 512)
+    assert TritonAttention().supports(128, 128)
