@@ -350,3 +350,16 @@ def test_gpt2_conv1d_is_a_linear_layer_not_a_convolution_mixer():
     assert [a.layer_id for a in fhf.attention_layers(model)] == []
     fhf.prepare(model, num_pages=8, page_size=4)
     assert [a.layer_id for a in fhf.attention_layers(model)] == [0, 1]
+
+
+def test_deepseek_v3_keeps_one_latent_per_token_not_decompressed_keys_and_values():
+    """DeepSeek-V3's attention runs as fullcg.MLAAttention in the absorbed form: its cache
+    holds the latent and the rope key (kv_lora_rank + qk_rope_head_dim values per token, one
+    KV head), the value being the latent's view."""
+    _, model, _ = build_pair("deepseek_v3")
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV3Attention":
+            assert isinstance(getattr(module, fhf._CHILD), fullcg.MLAAttention)
+    for layer in fhf.attention_layers(model):
+        cache = layer.kv_cache
+        assert cache.v_in_k and tuple(cache.k.shape[2:]) == (1, 16 + 8) and cache.v.shape[-1] == 16

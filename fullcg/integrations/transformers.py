@@ -501,7 +501,9 @@ def prepare(
                     model.config._attn_implementation, ATTN_IMPLEMENTATION)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     for _, module, spec in plan:
-        attn = fullcg.Attention(**spec)
+        attn = _latent_attention(module, spec)
+        if attn is None:
+            attn = fullcg.Attention(**spec)
         ref = next(module.parameters(), None)
         attn.allocate_kv_cache(
             num_pages, page_size,
@@ -512,6 +514,65 @@ def prepare(
     logger.info("fullcg: prepared %d attention layers of %s (%d pages of %d tokens each)",
                 len(plan), type(model).__name__, num_pages, page_size)
     return PackedCausalLM(model)
+
+
+#: HF attention classes whose forward fullcg replaces to keep a latent cache (multi-head latent
+#: attention in the absorbed form); other MLA classes run decompressed through the
+#: attention interface.
+_LATENT_ATTENTION_CLASSES = ("DeepseekV3Attention",)
+
+
+def _latent_attention(module: nn.Module, spec: dict[str, Any]) -> fullcg.MLAAttention | None:
+    """For a DeepSeek-V3 attention module: a :class:`fullcg.MLAAttention` over a latent cache,
+    with the module's forward replaced by :func:`_latent_forward`; None for other modules."""
+    if type(module).__name__ not in _LATENT_ATTENTION_CLASSES:
+        return None
+    helpers = sys.modules.get(type(module).__module__)
+    if helpers is None or not hasattr(helpers, "apply_rotary_pos_emb"):
+        return None
+    mla = fullcg.MLAAttention(
+        module.num_heads, module.kv_lora_rank, module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim,
+        layer_id=spec["layer_id"], scale=float(module.scaling),
+    )
+    module.forward = _latent_forward.__get__(module)  # an instance attribute: this module only
+    return mla
+
+
+def _latent_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                    attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """DeepSeek-V3 attention with a latent cache: the module's own projections, norm and
+    rotary embedding, then :class:`fullcg.MLAAttention` in the absorbed form (the latent
+    and rope key saved, never the decompressed keys and values)."""
+    mla = getattr(self, _CHILD)
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"fullcg attention (layer {self.layer_idx}): fullcg runs packed batches (batch dimension 1); got hidden "
+            f"states of shape {tuple(hidden_states.shape)}; drive the model through PackedCausalLM"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"fullcg attention (layer {self.layer_idx}): got an attention mask, which fullcg would ignore; request "
+            "boundaries come from the forward context's metadata"
+        )
+    helpers = sys.modules[type(self).__module__]
+    tokens = hidden_states.shape[1]
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(1, tokens, self.num_heads, self.qk_head_dim).transpose(1, 2)
+    q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    latent = self.kv_a_layernorm(latent)
+    k_rot = k_rot.view(1, 1, tokens, self.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    if getattr(self.config, "rope_interleave", False):
+        q_rot, k_rot = helpers.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    else:
+        q_rot, k_rot = helpers.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+    out = mla(q_nope[0].transpose(0, 1), q_rot[0].transpose(0, 1).contiguous(), latent[0], k_rot[0, 0],
+              self.kv_b_proj.weight)
+    return self.o_proj(out.reshape(1, tokens, -1)), None
 
 
 def attention_layers(model: nn.Module) -> list[fullcg.Attention]:
