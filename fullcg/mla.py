@@ -155,13 +155,15 @@ class MLAAttention(nn.Module):
             if tuple(t.shape) != shape:
                 raise ValueError(f"{where}: {name} must have shape {list(shape)}, got {tuple(t.shape)}")
         w_uk, w_uv = self.split_kv_b(kv_b_weight)
-        # Absorb W_UK into the query: [T, h, nope] x [h, nope, rank] -> [T, h, rank].
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk.to(q_nope.dtype))
+        # Absorb W_UK into the query: [h, T, nope] x [h, nope, rank] -> [T, h, rank]. (bmm, not
+        # einsum: einsum's reshapes make Dynamo guard that the token count is not 1, so a
+        # one-token step would get a graph of its own.)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)
         q = torch.cat([q_latent, q_pe], dim=-1)
         k = torch.cat([latent, k_pe], dim=-1).unsqueeze(1)
         v = latent.unsqueeze(1)
         result = self.attn(q, k, v, return_lse=return_lse)
         out_latent, lse = result if return_lse else (result, None)
-        # Each head's latent output to its values: [T, h, rank] x [h, v, rank] -> [T, h, v].
-        out = torch.einsum("thr,hvr->thv", out_latent, w_uv.to(out_latent.dtype))
+        # Each head's latent output to its values: [h, T, rank] x [h, rank, v] -> [T, h, v].
+        out = torch.bmm(out_latent.transpose(0, 1), w_uv.to(out_latent.dtype).transpose(1, 2)).transpose(0, 1)
         return (out, lse) if return_lse else out

@@ -74,7 +74,7 @@ ARCHITECTURES = {
     "opt": (_arch("OPTForCausalLM", "OPTConfig", ffn_dim=128, word_embed_proj_dim=64, num_key_value_heads=4,
                   tie_word_embeddings=False),
             [None, None], [None, None]),
-    # Multi-head latent attention, decompressed: q/k heads of 24 (16 + 8 rotary), v heads of 16.
+    # Multi-head latent attention over a latent cache (fullcg.MLAAttention): rank 16 + rope 8 per token.
     "deepseek_v3": (_arch("DeepseekV3ForCausalLM", "DeepseekV3Config", num_key_value_heads=4, head_dim=8,
                           q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                           n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
@@ -96,7 +96,7 @@ ARCHITECTURES = {
 }
 
 #: Compiled: windows on every layer, soft-capping with sliding and full layers, sinks, and
-#: decompressed MLA (a value head size of its own).
+#: multi-head latent attention.
 COMPILED = ["mistral", "gemma2", "gpt_oss", "deepseek_v3"]
 GENERATE_COMPILED = ["gemma2", "gpt_oss"]
 

@@ -525,7 +525,14 @@ _LATENT_ATTENTION_CLASSES = ("DeepseekV3Attention",)
 def _latent_attention(module: nn.Module, spec: dict[str, Any]) -> fullcg.MLAAttention | None:
     """For a DeepSeek-V3 attention module: a :class:`fullcg.MLAAttention` over a latent cache,
     with the module's forward replaced by :func:`_latent_forward`; None for other modules."""
-    if type(module).__name__ not in _LATENT_ATTENTION_CLASSES:
+    if type(module).__name__ not in _LATENT_ATTENTION_CLASSES or spec["sliding_window"] or spec["logit_softcap"]:
+        return None
+    # The absorbed form reads kv_b_proj's weight as it is: only a plain floating-point Linear
+    # (a quantized one, FP8 with its scales or int8, or an adapter-wrapped one, is computed by
+    # its own forward, so such a layer runs decompressed through HF's code).
+    kv_b = getattr(module, "kv_b_proj", None)
+    if type(kv_b) is not nn.Linear or kv_b.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32) \
+            or hasattr(kv_b, "weight_scale_inv"):
         return None
     helpers = sys.modules.get(type(module).__module__)
     if helpers is None or not hasattr(helpers, "apply_rotary_pos_emb"):
@@ -560,18 +567,19 @@ def _latent_forward(self: nn.Module, hidden_states: torch.Tensor, position_embed
         q = self.q_proj(hidden_states)
     else:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-    q = q.view(1, tokens, self.num_heads, self.qk_head_dim).transpose(1, 2)
+    # Token-major throughout ([1, T, heads, dim], rotary embedding over dimension 2): no
+    # transposed views, which would make Dynamo guard that the token count is not 1.
+    q = q.view(1, tokens, self.num_heads, self.qk_head_dim)
     q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
     latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
     latent = self.kv_a_layernorm(latent)
-    k_rot = k_rot.view(1, 1, tokens, self.qk_rope_head_dim)
+    k_rot = k_rot.view(1, tokens, 1, self.qk_rope_head_dim)
     cos, sin = position_embeddings
     if getattr(self.config, "rope_interleave", False):
-        q_rot, k_rot = helpers.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+        q_rot, k_rot = helpers.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     else:
-        q_rot, k_rot = helpers.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
-    out = mla(q_nope[0].transpose(0, 1), q_rot[0].transpose(0, 1).contiguous(), latent[0], k_rot[0, 0],
-              self.kv_b_proj.weight)
+        q_rot, k_rot = helpers.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    out = mla(q_nope[0], q_rot[0], latent[0], k_rot[0, :, 0], self.kv_b_proj.weight)
     return self.o_proj(out.reshape(1, tokens, -1)), None
 
 

@@ -24,10 +24,10 @@ def save_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torc
     if torch.is_grad_enabled():
         with torch.no_grad():
             return save_kv(cache, k, v, slot_mapping)
-    # flatten, not view: a latent cache's v (KVCache.v_in_k) is strided, yet its pages and
-    # slots still merge into one dimension without a copy.
-    flat_k = cache.k.flatten(0, 1)
-    flat_v = cache.v.flatten(0, 1)
+    # A view (never a copy, which index_copy_ would write into instead of the cache); a
+    # latent cache's strided v (KVCache.v_in_k) views this way too.
+    flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
+    flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
     flat_k.index_copy_(0, slot_mapping, k.to(cache.k.dtype))
     flat_v.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
 
@@ -51,7 +51,9 @@ def read_kv(cache: KVCache, page_table_row: torch.Tensor, start: int, length: in
     """Keys and values at positions ``[start, start + length)`` of one request."""
     positions = torch.arange(start, start + length, device=cache.k.device)
     slots = _slots(page_table_row.to(cache.k.device), positions, cache.page_size, cache.num_pages)
-    return cache.k.flatten(0, 1)[slots], cache.v.flatten(0, 1)[slots]
+    flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
+    flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
+    return flat_k[slots], flat_v[slots]
 
 
 def merge(

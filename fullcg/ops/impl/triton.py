@@ -164,10 +164,6 @@ class TritonAttention(AttentionImpl):
     name = "triton"
     capture_safe = True
 
-    def supports(self, head_dim: int, v_head_dim: int) -> bool:
-        """Head dims that are powers of two >= 16 (``auto`` passes over others, e.g. MLA's 576/512)."""
-        return _is_pow2_at_least_16(head_dim) and _is_pow2_at_least_16(v_head_dim)
-
     def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
         """New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe);
         in decode-only batches over the cache, by the decode kernel itself."""
