@@ -317,6 +317,7 @@ class FullCGConfig:
     compile_cache: bool = True
     cache_dir: str | None = None
     trust_shared_cache: bool = False
+    mla_mha_min_tokens: int | None = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
@@ -364,6 +365,8 @@ class FullCGConfig:
             _positive_int(self.max_pages_per_request, "max_pages_per_request")
         if self.auto_full_max_tokens is not None:
             _positive_int(self.auto_full_max_tokens, "auto_full_max_tokens")
+        if self.mla_mha_min_tokens is not None:
+            _positive_int(self.mla_mha_min_tokens, "mla_mha_min_tokens")
         for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

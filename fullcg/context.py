@@ -49,6 +49,7 @@ __all__ = [
     "get_forward_context",
     "has_forward_context",
     "num_prefix_chunks",
+    "mla_mha_step",
     "prefix_chunk_tokens",
     "skip_softmax_factors",
 ]
@@ -150,19 +151,41 @@ class _ThreadState(threading.local):
         self.prefill_factor: float | None = None
         self.decode_factor: float | None = None
         self.layer_factors: tuple[tuple[int, float | None, float | None], ...] = ()
+        self.mla_mha = False
 
     def publish(self) -> None:
         if self.stack:
             ctx = self.stack[-1]
-            self.num_prefix_chunks = ctx.metadata.num_prefix_chunks
-            self.prefix_chunk_tokens = ctx.metadata.prefix_chunk_tokens
+            md = ctx.metadata
+            self.num_prefix_chunks = md.num_prefix_chunks
+            self.prefix_chunk_tokens = md.prefix_chunk_tokens
             self.prefill_factor = ctx.config.skip_softmax.prefill_scale_factor
             self.decode_factor = ctx.config.skip_softmax.decode_scale_factor
             self.layer_factors = ctx.config.skip_softmax.per_layer
+            self.mla_mha = _mla_mha(self.stack)
         else:
             self.num_prefix_chunks, self.prefix_chunk_tokens = 0, 0
             self.prefill_factor = self.decode_factor = None
             self.layer_factors = ()
+            self.mla_mha = False
+
+
+def _mla_mha(stack: list[ForwardContext]) -> bool:
+    """Whether multi-head latent attention runs this step in MHA form (see
+    ``FullCGConfig.mla_mha_min_tokens``): no decode request, a request with at least that
+    many new tokens, and not a full graph (which never holds the host's chunk loop).
+
+    The step's own context decides (the innermost the caller entered, not a runner's
+    derived one): Dynamo traces the model there, so both front ends agree.
+    """
+    if stack[-1].variant is GraphMode.FULL:
+        return False
+    ctx = next((c for c in reversed(stack) if not c.compiled), stack[-1])
+    threshold = ctx.config.mla_mha_min_tokens
+    md = ctx.metadata
+    if threshold is None or md.has_decode or not md.query_lens:
+        return False
+    return max(md.query_lens) >= threshold
 
 
 _state = _ThreadState()
@@ -357,7 +380,7 @@ def derived(
 
 #: The static facts traced code may read, in the order :func:`static_facts` gives them.
 STATIC_FACTS = ("num_prefix_chunks", "prefix_chunk_tokens", "prefill_factor", "decode_factor",
-                "layer_factors")
+                "layer_factors", "mla_mha")
 
 
 def static_facts() -> tuple[object, ...]:
@@ -371,7 +394,7 @@ def current_context_and_facts() -> tuple[ForwardContext | None, tuple[object, ..
     state = _state
     stack = state.stack
     return (stack[-1] if stack else None), (state.num_prefix_chunks, state.prefix_chunk_tokens, state.prefill_factor,
-                                            state.decode_factor, state.layer_factors)
+                                            state.decode_factor, state.layer_factors, state.mla_mha)
 
 
 def has_forward_context() -> bool:
@@ -448,6 +471,13 @@ def current_piece_size() -> int | None:
     if not stack or stack[-1].variant != GraphMode.PIECEWISE:
         return None
     return stack[-1].padded_size
+
+
+def mla_mha_step() -> bool:
+    """Whether :class:`fullcg.MLAAttention` runs the current step in MHA form (new tokens
+    up-projected, the cached prefix chunk by chunk) rather than absorbed over the latent
+    cache: ``FullCGConfig.mla_mha_min_tokens`` decides."""
+    return _state.mla_mha
 
 
 def num_prefix_chunks() -> int:

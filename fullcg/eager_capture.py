@@ -40,8 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fullcg import cudagraph
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import (
-    ForwardContext, check_call_positions, current_padded_size, derived_context, get_forward_context, num_prefix_chunks,
-    positions_argument, prefix_chunk_tokens,
+    ForwardContext, check_call_positions, current_padded_size, derived_context, get_forward_context, mla_mha_step,
+    num_prefix_chunks, positions_argument, prefix_chunk_tokens,
 )
 from fullcg.errors import InvalidConfigError
 from fullcg.frontend import device_of, note_device
@@ -284,7 +284,9 @@ class SegmentedGraph:
         size = current_padded_size()  # the step's dispatch key, from its forward context
         if size is None:
             return self.fn(*args)
-        key = (size, num_prefix_chunks(), prefix_chunk_tokens()) if self.per_chunk_plan else size
+        key: Hashable = (size, num_prefix_chunks(), prefix_chunk_tokens()) if self.per_chunk_plan else size
+        if mla_mha_step():  # multi-head latent attention in MHA form: other ops, other segments
+            key = (key, "mla_mha")
         entry = self.entries.get(key)
         if entry is None:
             entry = self.entries[key] = self._capture(size, args)

@@ -300,7 +300,12 @@ def _chunk_layout(with_prefix: int, longest_prefix: int, prefix_chunk_tokens: in
     over the ``with_prefix`` requests that have a prefix (plain ints: Dynamo reads the count)."""
     if not with_prefix:
         return 0, 0
-    per_req = max(1, prefix_chunk_tokens // with_prefix)
+    if prefix_chunk_tokens < with_prefix:
+        raise InvalidBatchError(
+            f"prefix_chunk_tokens ({prefix_chunk_tokens}) must be at least the number of requests with a cached prefix "
+            f"({with_prefix}): one prefix chunk holds at least one position of each; raise prefix_chunk_tokens"
+        )
+    per_req = prefix_chunk_tokens // with_prefix
     return -(-longest_prefix // per_req), per_req
 
 

@@ -18,6 +18,13 @@ The cache holds ``rank + rope`` values per token, once: one allocation ``[pages,
 page_size, 1, rank + rope]`` whose first ``rank`` values are also the value (the
 :class:`fullcg.KVCache`'s ``v`` is a view of ``k``). DeepSeek-V3's 576 values per token
 against 128 x (192 + 128) = 40,960 for decompressed keys and values.
+
+Prompt-heavy steps run in *MHA form* instead (``FullCGConfig.mla_mha_min_tokens``): the
+new tokens' latents are up-projected to per-head keys (``nope + rope``) and values and
+attended causally; the cached prefix is read back chunk by chunk, each chunk up-projected
+into a fixed-size buffer and merged in by LSE (``fullcg::merge_latent_prefix_chunks``).
+Attention then costs ``nope + rope + v`` per key and head rather than ``2 rank + rope``;
+the cache stays latent either way.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ import math
 import torch
 from torch import nn
 
+from fullcg import context
 from fullcg.kv_cache import KVCache
-from fullcg.layer import Attention
+from fullcg.layer import Attention, _NoBackward
+from fullcg.ops.attention import ATTENTION_OPS
 
 __all__ = ["MLAAttention", "allocate_latent_cache"]
 
@@ -154,6 +163,8 @@ class MLAAttention(nn.Module):
         for name, (t, shape) in expected.items():
             if tuple(t.shape) != shape:
                 raise ValueError(f"{where}: {name} must have shape {list(shape)}, got {tuple(t.shape)}")
+        if context.mla_mha_step():
+            return self._mha_form(q_nope, q_pe, latent, k_pe, kv_b_weight, return_lse)
         w_uk, w_uv = self.split_kv_b(kv_b_weight)
         # Absorb W_UK into the query: [h, T, nope] x [h, nope, rank] -> [T, h, rank]. (bmm, not
         # einsum: einsum's reshapes make Dynamo guard that the token count is not 1, so a
@@ -164,6 +175,43 @@ class MLAAttention(nn.Module):
         v = latent.unsqueeze(1)
         result = self.attn(q, k, v, return_lse=return_lse)
         out_latent, lse = result if return_lse else (result, None)
-        # Each head's latent output to its values: [h, T, rank] x [h, rank, v] -> [T, h, v].
+        # Each head's latent output to its values: [h, T, rank] x [h, rank, v] -> [T, h, v], a
+        # transposed view (copying it token-major here makes Dynamo guard the token count).
         out = torch.bmm(out_latent.transpose(0, 1), w_uv.to(out_latent.dtype).transpose(1, 2)).transpose(0, 1)
+        return (out, lse) if return_lse else out
+
+    def _mha_form(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+        kv_b_weight: torch.Tensor, return_lse: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The step in MHA form: the new tokens' latents up-projected to per-head keys and
+        values, attended causally with LSE; then the latents saved and the cached prefix
+        merged in chunk by chunk (``fullcg::merge_latent_prefix_chunks``, one op whatever
+        the chunk count). Prompt-heavy steps cost less so: per key and head, 2 x (nope + rope
+        + v) multiply-adds against 2 x (rank + rope + rank) absorbed."""
+        self.split_kv_b(kv_b_weight)  # checks its shape
+        T, heads = q_nope.shape[0], self.num_heads
+        nope, v_dim, layer_id = self.qk_nope_head_dim, self.v_head_dim, self.layer_id
+        kv = torch.nn.functional.linear(latent, kv_b_weight.to(latent.dtype)).view(T, heads, nope + v_dim)
+        k = torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(T, heads, self.qk_rope_head_dim)], dim=-1)
+        v = kv[..., nope:].contiguous()
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out = q.new_empty((T, heads, v_dim))
+        prefill_factor, decode_factor = context.skip_softmax_factors(layer_id)
+        scale = self.attn.scale
+        lse = ATTENTION_OPS[(False, True)](
+            q, k, v, out, layer_id, None, prefill_factor, decode_factor, scale,
+            False, True, None, False, None, None, 0,  # over the given k/v, causal, saving nothing
+        )
+        cache = self.attn.kv_cache
+        torch.ops.fullcg.merge_latent_prefix_chunks.default(
+            q, out, lse, torch.cat([latent, k_pe], dim=-1), kv_b_weight, layer_id, prefill_factor, decode_factor,
+            scale, cache.uid if cache is not None else 0,
+        )
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q_nope, q_pe, latent, k_pe, kv_b_weight)
+        ):
+            inputs = (q_nope, q_pe, latent, k_pe, kv_b_weight)
+            out = _NoBackward.apply(layer_id, out, *inputs)
+            lse = _NoBackward.apply(layer_id, lse, *inputs)
         return (out, lse) if return_lse else out

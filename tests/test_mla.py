@@ -137,3 +137,126 @@ def test_an_implementation_that_reads_v_as_contiguous_refuses_a_latent_cache():
     with torch.inference_mode(), fullcg.forward_context(md, mla, config=config):
         with pytest.raises(NotImplementedError, match="cannot attend over a latent cache.*attention_impl='reference'"):
             mla(**parts, kv_b_weight=kv_b)
+
+
+# The MHA form: two requests (24 and 16 tokens); (query_lens, prefix_lens, requests,
+# prefix_chunk_tokens) per step. Steps without decode run in MHA form under
+# mla_mha_min_tokens=1, with 4, 7 and 7 prefix chunks; the decode step runs absorbed.
+MHA_LENGTHS = {0: 24, 1: 16}
+MHA_STEPS = [
+    ([8, 6], [0, 0], [0, 1], 4096),
+    ([6, 4], [8, 6], [0, 1], 2),
+    ([5], [14], [0], 2),
+    ([1, 1], [19, 10], [0, 1], 4096),
+    ([4], [20], [0], 3),
+]
+MHA_EVERY_PROMPT = fullcg.FullCGConfig(mla_mha_min_tokens=1)
+
+
+def _mha_inputs(seed: int) -> dict[int, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {r: {"q_nope": torch.randn(n, H, NOPE, generator=g), "q_pe": torch.randn(n, H, ROPE, generator=g),
+                "latent": torch.randn(n, RANK, generator=g), "k_pe": torch.randn(n, ROPE, generator=g)}
+            for r, n in MHA_LENGTHS.items()}
+
+
+def _mha_step(inputs, kv_b, step):
+    q_lens, p_lens, reqs, chunk_tokens = MHA_STEPS[step]
+    parts = {name: torch.cat([inputs[r][name][p: p + q] for r, q, p in zip(reqs, q_lens, p_lens)])
+             for name in ("q_nope", "q_pe", "latent", "k_pe")}
+    table = torch.stack([torch.arange(r * 8, r * 8 + 8, dtype=torch.int32) for r in reqs])
+    md = fullcg.AttentionMetadata.build(q_lens, p_lens, table, PAGE, prefix_chunk_tokens=chunk_tokens)
+    expected = torch.cat([_decompressed(inputs[r], kv_b, range(p, p + q)) for r, q, p in zip(reqs, q_lens, p_lens)])
+    return parts, md, expected
+
+
+class _RecordsForm(_MLAStep):
+    """Notes which form each eager step ran in."""
+
+    def forward(self, q_nope, q_pe, latent, k_pe, return_lse=False):
+        self.forms.append("mha" if fullcg.context.mla_mha_step() else "absorbed")
+        return self.mla(q_nope, q_pe, latent, k_pe, self.kv_b, return_lse=return_lse)
+
+
+def test_prompt_steps_in_mha_form_over_many_prefix_chunks_equal_decompressed_attention():
+    inputs, kv_b = _mha_inputs(seed=4), _kv_b(seed=5)
+    model = _RecordsForm(kv_b)
+    model.forms = []
+    model.mla.allocate_kv_cache(16, PAGE)
+    with torch.inference_mode():
+        for step in range(len(MHA_STEPS)):
+            parts, md, expected = _mha_step(inputs, kv_b, step)
+            with fullcg.forward_context(md, model, config=MHA_EVERY_PROMPT):
+                out, lse = model(parts["q_nope"], parts["q_pe"], parts["latent"], parts["k_pe"], return_lse=True)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+            assert lse.shape == (md.num_tokens, H) and torch.isfinite(lse).all()
+    # The layer saw the form the step asked for; every step's latents went into the cache.
+    assert model.forms == ["mha", "mha", "mha", "absorbed", "mha"]
+    cache = model.mla.kv_cache.k.view(-1, RANK + ROPE)
+    for r, n in MHA_LENGTHS.items():
+        stored = cache[r * 8 * PAGE: r * 8 * PAGE + n]
+        want = torch.cat([inputs[r]["latent"], inputs[r]["k_pe"]], dim=-1)
+        done = 24 if r == 0 else 11
+        torch.testing.assert_close(stored[:done], want[:done])
+
+
+def test_absorbed_and_mha_forms_agree_and_lse_merges_exactly():
+    inputs, kv_b = _mha_inputs(seed=6), _kv_b(seed=7)
+    results = {}
+    for name, config in (("mha", MHA_EVERY_PROMPT), ("absorbed", fullcg.FullCGConfig(mla_mha_min_tokens=None))):
+        mla = fullcg.MLAAttention(H, RANK, NOPE, ROPE, VDIM, layer_id=0)
+        mla.allocate_kv_cache(16, PAGE)
+        outs = []
+        with torch.inference_mode():
+            for step in range(3):
+                parts, md, _ = _mha_step(inputs, kv_b, step)
+                with fullcg.forward_context(md, mla, config=config):
+                    outs.append(mla(parts["q_nope"], parts["q_pe"], parts["latent"], parts["k_pe"], kv_b,
+                                    return_lse=True))
+        results[name] = outs
+    for (o1, l1), (o2, l2) in zip(results["mha"], results["absorbed"]):
+        torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(l1, l2, atol=1e-5, rtol=1e-5)
+
+
+def test_the_form_follows_mla_mha_min_tokens_decode_requests_and_full_graphs():
+    table = torch.arange(200, dtype=torch.int32).view(2, 100)
+    long_prompt = fullcg.AttentionMetadata.build([300, 2], [0, 0], table, PAGE)
+    short = fullcg.AttentionMetadata.build([100, 2], [0, 0], table, PAGE)
+    with_decode = fullcg.AttentionMetadata.build([300, 1], [0, 5], table, PAGE)
+    default = fullcg.FullCGConfig()
+    assert default.mla_mha_min_tokens == 256
+
+    def form(md, config=default, variant=None):
+        with torch.inference_mode(), fullcg.forward_context(md, config=config) as ctx:
+            if variant is None:
+                return fullcg.context.mla_mha_step()
+            with fullcg.context.derived_context(ctx, config=config, variant=variant, padded_size=None):
+                return fullcg.context.mla_mha_step()
+
+    assert form(long_prompt) and not form(short) and not form(with_decode)
+    assert not form(long_prompt, fullcg.FullCGConfig(mla_mha_min_tokens=None))
+    assert form(short, fullcg.FullCGConfig(mla_mha_min_tokens=100))
+    assert form(long_prompt, variant="piecewise") and not form(long_prompt, variant="full")
+    assert not fullcg.context.mla_mha_step()  # outside any context
+    with pytest.raises(fullcg.errors.InvalidConfigError, match="mla_mha_min_tokens must be a positive integer"):
+        fullcg.FullCGConfig(mla_mha_min_tokens=0)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "none"])
+@pytest.mark.parametrize("graph_mode", ["piecewise", "full", "auto"])
+def test_compiled_mha_form_has_one_graph_for_every_prefix_chunk_count(compiler, graph_mode):
+    torch._dynamo.reset()
+    inputs, kv_b = _mha_inputs(seed=8), _kv_b(seed=9)
+    model = _MLAStep(kv_b)
+    model.mla.allocate_kv_cache(16, PAGE)
+    run = fullcg.compile(model, compiler=compiler, graph_mode=graph_mode, mla_mha_min_tokens=1)
+    with torch.inference_mode():
+        for step in range(len(MHA_STEPS)):
+            parts, md, expected = _mha_step(inputs, kv_b, step)
+            with fullcg.forward_context(md, model, config=MHA_EVERY_PROMPT):
+                out = run(parts["q_nope"], parts["q_pe"], parts["latent"], parts["k_pe"])
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if compiler != "none":
+        # One graph in MHA form (0, 8 and 7 prefix chunks alike), one absorbed (the decode step).
+        assert len(run.runners) == 2

@@ -18,6 +18,9 @@ for the chunked-prefix pattern ``fullcg::merge_prefix_chunks`` (attends over eve
 of the cached prefix and merges each in, however many the step has: one graph for all
 counts) and ``fullcg::gather_prefix_chunk`` (copies one chunk of every request's cached
 prefix out of the paged KV cache, for models that transform a chunk before attending).
+``fullcg::merge_latent_prefix_chunks`` is the chunked-prefix pattern over a latent cache
+(multi-head latent attention in MHA form): it saves the step's new latents, then up-projects
+each prefix chunk's latents to per-head keys and values and merges the chunk in.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "merge_attn_states",
     "gather_prefix_chunk",
     "merge_prefix_chunks",
+    "merge_latent_prefix_chunks",
     "ATTENTION_OPS",
     "ATTRIBUTE_NAMES",
     "EAGER_KERNELS",
@@ -402,5 +406,132 @@ merge_prefix_chunks = _register(
     "float? logit_softcap=None) -> ()",
     _merge_prefix_chunks,
     _merge_prefix_chunks_fake,
+    _BREAKABLE_TAGS,
+)
+
+
+def _check_merge_latent(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, new_latent: torch.Tensor,
+                        kv_b_weight: torch.Tensor, layer_id: int) -> None:
+    _check_merge_prefix(q, out, lse, layer_id)
+    where = f"fullcg.merge_latent_prefix_chunks (layer {layer_id})"
+    heads, v_dim = q.shape[1], out.shape[2]
+    if new_latent.dim() != 2 or new_latent.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"{where}: new_latent must be [tokens, kv_lora_rank + rope] with q's {q.shape[0]} tokens, "
+            f"got {tuple(new_latent.shape)}"
+        )
+    if kv_b_weight.dim() != 2 or kv_b_weight.shape[0] % heads or kv_b_weight.shape[1] >= new_latent.shape[1]:
+        raise ValueError(
+            f"{where}: kv_b_weight must be [{heads} * (nope + {v_dim}), kv_lora_rank] (kv_b_proj.weight) with "
+            f"kv_lora_rank below new_latent's {new_latent.shape[1]} values, got {tuple(kv_b_weight.shape)}"
+        )
+    rope = new_latent.shape[1] - kv_b_weight.shape[1]
+    nope = q.shape[2] - rope
+    if nope <= 0 or kv_b_weight.shape[0] != heads * (nope + v_dim):
+        raise ValueError(
+            f"{where}: q's head dim {q.shape[2]} less the rope dim {rope} (new_latent's values past kv_lora_rank "
+            f"{kv_b_weight.shape[1]}) gives nope={nope}, so kv_b_weight must have {heads} * (nope + {v_dim}) rows, "
+            f"got {kv_b_weight.shape[0]}"
+        )
+    for name, t in (("new_latent", new_latent), ("kv_b_weight", kv_b_weight)):
+        if t.device != q.device or not t.is_floating_point():
+            raise ValueError(f"{where}: {name} must be a floating-point tensor on {q.device}, got {t.dtype} on {t.device}")
+
+
+def _merge_latent_prefix_chunks(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    new_latent: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    layer_id: int,
+    skip_softmax_prefill_scale_factor: Optional[float] = None,
+    skip_softmax_decode_scale_factor: Optional[float] = None,
+    scale: Optional[float] = None,
+    kv_cache_id: int = 0,
+) -> None:
+    """Multi-head latent attention's chunked prefix: save the step's new latents, then attend
+    ``q`` over every chunk of the cached prefix, up-projected, merging each into ``out``/``lse``.
+
+    The layer's cache is a latent cache (``KVCache.v_in_k``: ``[pages, page_size, 1, rank +
+    rope]``). ``new_latent [T, rank + rope]`` (the new tokens' latent then rope key) is written
+    into it, as the absorbed form's attention call would. Each chunk's latents ``c`` become
+    keys ``[W_UK[h] c ; k_pe]`` and values ``W_UV[h] c`` through ``kv_b_weight``
+    (``kv_b_proj.weight``, ``[H * (nope + v), rank]``) in a buffer of
+    ``metadata.prefix_chunk_tokens`` rows, never stored; attention over them (no causal
+    mask, LSE) is merged in. One op whatever the chunk count, so one graph serves every count.
+    """
+    _check_merge_latent(q, out, lse, new_latent, kv_b_weight, layer_id)
+    ctx = get_forward_context()
+    md = ctx.metadata
+    where = f"fullcg.merge_latent_prefix_chunks (layer {layer_id})"
+    if q.shape[0] < md.num_tokens:
+        raise ValueError(f"{where}: q has {q.shape[0]} tokens but the batch has {md.num_tokens} new tokens")
+    rank, width = kv_b_weight.shape[1], new_latent.shape[1]
+    call = AttentionCall(
+        op="merge_latent_prefix_chunks", q=q, k=new_latent[:, None], v=new_latent[:, None, :rank], out=out,
+        layer_id=layer_id, key_value_num_tokens=None, prefill_scale_factor=skip_softmax_prefill_scale_factor,
+        decode_scale_factor=skip_softmax_decode_scale_factor,
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        use_kv_cache=False, causal=False, prefix_chunk=None, save_kv_cache=True, return_lse=True,
+        kv_cache_id=kv_cache_id,
+    )
+    cache = layer_cache(call, ctx)  # the calling layer's own cache (raises naming the fix)
+    if not cache.v_in_k or cache.num_kv_heads != 1 or cache.head_dim != width or cache.v_head_dim != rank:
+        raise ValueError(
+            f"{where}: the layer's KV cache (pages {tuple(cache.k.shape)}) is not a latent cache of "
+            f"{rank} + {width - rank} values per token; allocate it with fullcg.MLAAttention.allocate_kv_cache"
+        )
+    if not ctx.compiled:
+        _check_saved_once(call, ctx)
+    torch_ops.save_new_kv(call.k, call.v, md, cache)
+    if not md.num_prefix_chunks:
+        return
+    heads, v_dim = q.shape[1], out.shape[2]
+    nope = q.shape[2] - (width - rank)
+    rows = md.prefix_chunk_tokens
+    key = ("latent", q.shape, out.shape[2], width, q.dtype)
+    buffers = ctx.step.chunk_buffers.get(key)
+    if buffers is None:
+        buffers = ctx.step.chunk_buffers[key] = (
+            torch.empty((rows, 1, width), dtype=cache.k.dtype, device=q.device),
+            q.new_empty((rows, heads, q.shape[2])),
+            q.new_empty((rows, heads, v_dim)),
+            torch.empty_like(out),
+        )
+    latent_c, k_c, v_c, out_c = buffers
+    chunk_call = AttentionCall(
+        op="merge_latent_prefix_chunks", q=q, k=k_c, v=v_c, out=out_c, layer_id=layer_id, key_value_num_tokens=None,
+        prefill_scale_factor=skip_softmax_prefill_scale_factor, decode_scale_factor=skip_softmax_decode_scale_factor,
+        scale=call.scale, use_kv_cache=False, causal=False, prefix_chunk=0, save_kv_cache=False, return_lse=True,
+        kv_cache_id=kv_cache_id,
+    )
+    impl = step_implementation(ctx, q.device, q.shape[2], v_dim)
+    weight = kv_b_weight.to(q.dtype)
+    for c, plan in enumerate(md.prefix_chunks):
+        torch_ops.gather_prefix_chunk(latent_c, latent_c[..., :rank], cache, md, plan)
+        # Up-project the chunk: per head, [W_UK c ; k_pe] and W_UV c.
+        kv = torch.nn.functional.linear(latent_c[:, 0, :rank].to(q.dtype), weight).view(rows, heads, nope + v_dim)
+        k_c[..., :nope] = kv[..., :nope]
+        k_c[..., nope:] = latent_c[:, :, rank:].to(q.dtype)  # the rope key, shared by every head
+        v_c.copy_(kv[..., nope:])
+        chunk_call.prefix_chunk = c
+        lse_c = impl.forward(chunk_call, ctx, None)
+        if lse_c is None:
+            raise RuntimeError(f"attention implementation {impl.name!r} returned no LSE for fullcg.{chunk_call.op}")
+        torch_ops.merge_states(out, out_c, lse_c, out, lse, lse)
+
+
+def _merge_latent_prefix_chunks_fake(q, out, lse, new_latent, kv_b_weight, layer_id, *attrs) -> None:
+    _check_merge_latent(q, out, lse, new_latent, kv_b_weight, layer_id)
+
+
+merge_latent_prefix_chunks = _register(
+    "merge_latent_prefix_chunks",
+    "(Tensor q, Tensor(a!) out, Tensor(b!) lse, Tensor new_latent, Tensor kv_b_weight, int layer_id, "
+    "float? skip_softmax_prefill_scale_factor=None, float? skip_softmax_decode_scale_factor=None, float? scale=None, "
+    "int kv_cache_id=0) -> ()",
+    _merge_latent_prefix_chunks,
+    _merge_latent_prefix_chunks_fake,
     _BREAKABLE_TAGS,
 )

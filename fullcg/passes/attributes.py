@@ -18,7 +18,7 @@ from fullcg.passes.manager import source_hash
 __all__ = ["AttributesPass", "attention_nodes", "node_attribute", "prefix_chunk_nodes", "set_node_attribute"]
 
 _ATTENTION_OPS = frozenset(ATTENTION_OPS.values())
-_PREFIX_CHUNK_OPS = (torch.ops.fullcg.merge_prefix_chunks.default,)
+_PREFIX_CHUNK_OPS = (torch.ops.fullcg.merge_prefix_chunks.default, torch.ops.fullcg.merge_latent_prefix_chunks.default)
 
 
 def attention_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:

@@ -1,8 +1,8 @@
 """Where a step is split: the one definition of a *split point*, and the split itself.
 
 A split point is a call that runs eagerly between captured pieces of a piecewise step:
-every attention op call, and ``merge_prefix_chunks`` and ``gather_prefix_chunk``, which
-read the step's prefix-chunk plan on the host (:func:`is_split_target`). Both front ends
+every attention op call, and ``merge_prefix_chunks``, ``merge_latent_prefix_chunks`` and
+``gather_prefix_chunk``, which read the step's prefix-chunk plan on the host (:func:`is_split_target`). Both front ends
 split there and nowhere else:
 
 - the compile backend splits every graph Dynamo hands it (:func:`split_graph`), after
@@ -42,6 +42,7 @@ __all__ = ["Piece", "SplitGraph", "SplitPointsPass", "is_split_target", "reads_h
 _HOST_PLAN_OPS = (
     torch.ops.fullcg.gather_prefix_chunk, torch.ops.fullcg.gather_prefix_chunk.default,
     torch.ops.fullcg.merge_prefix_chunks, torch.ops.fullcg.merge_prefix_chunks.default,
+    torch.ops.fullcg.merge_latent_prefix_chunks, torch.ops.fullcg.merge_latent_prefix_chunks.default,
 )
 
 
