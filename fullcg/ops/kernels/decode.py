@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from fullcg.ops.kernels.launch import Launcher, PlannedLaunch
-from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source, softcap_args
+from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source, padded, softcap_args, with_cols
 
 __all__ = ["decode_attention", "plan_decode", "DecodeLaunch", "MAX_DENSE_SPLITS", "window_tiles"]
 
@@ -73,7 +73,7 @@ MERGE_UNROLL = 4
 
 #: Dense decode's launch, tuned on an H200 over 64q/4kv and 32q/8kv heads of 128, batch
 #: 1-64, contexts 1k-64k (``benchmarks/decode_sweep.py``; docs/benchmarks.md): KV tiles of
-#: 128 keys where a tile of k and v fits (2-byte elements, head dim at most 128), at most
+#: 128 keys where a tile of k and v fits (2-byte elements, head tiles at most 128 wide), at most
 #: two programs per SM, and runs of at least ``DENSE_MIN_RUN_SCALE * sqrt(tiles)`` tiles.
 #: Dense results do not depend on the tiling (only on rounding), so these are free to tune;
 #: skip-softmax decode keeps the configured tile, which is the unit its rule skips.
@@ -85,9 +85,11 @@ DENSE_MIN_RUN_SCALE = 0.4
 def _dense_tile_kv(q: torch.Tensor, k: torch.Tensor, head_dim: int, head_dim_v: int, tile_kv: int) -> int:
     """Keys per tile for dense decode: :data:`DENSE_TILE_KV` on a GPU where it fits, else ``tile_kv``.
 
-    The CPU interpreter keeps the configured tile, so its tests walk several tiles per run.
+    What has to fit is the register tiles, so a head of 80 or 96 counts as the 128 it is
+    padded to and one of 192 as 256 (tile.py). The CPU interpreter keeps the configured
+    tile, so its tests walk several tiles per run.
     """
-    if q.device.type != "cuda" or k.element_size() > 2 or max(head_dim, head_dim_v) > 128:
+    if q.device.type != "cuda" or k.element_size() > 2 or max(padded(head_dim), padded(head_dim_v)) > 128:
         return tile_kv
     return max(tile_kv, DENSE_TILE_KV)
 
@@ -120,18 +122,30 @@ def _split_tiles(n_tiles, num_splits, min_run_scale, SPLIT_TILES: tl.constexpr):
 
 
 @triton.jit
-def _store_row(Out, Lse, row, head, offs_dv, o, lse, g_ok, stride_ot, stride_oh, stride_lt):
-    """Row ``row`` (int64) of ``out`` and ``lse`` for the heads ``head``."""
+def _store_row(Out, Lse, row, head, offs_dv, o, lse, g_ok, stride_ot, stride_oh, stride_lt, HEAD_DV: tl.constexpr):
+    """Row ``row`` (int64) of ``out`` and ``lse`` for the heads ``head`` (``offs_dv`` spans
+    the head's :func:`~fullcg.ops.kernels.tile.padded` tile)."""
     tl.store(Out + row * stride_ot + head[:, None] * stride_oh + offs_dv[None, :], o.to(Out.dtype.element_ty),
-             mask=g_ok[:, None])
+             mask=with_cols(g_ok[:, None], offs_dv, HEAD_DV))
     tl.store(Lse + row * stride_lt + head, lse, mask=g_ok)
 
 
 @triton.jit
 def _store_empty_row(Out, Lse, row, head, offs_dv, g_ok, stride_ot, stride_oh, stride_lt,
                      BLOCK_M: tl.constexpr, HEAD_DV: tl.constexpr):
-    _store_row(Out, Lse, row, head, offs_dv, tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32),
-               tl.full([BLOCK_M], float("-inf"), tl.float32), g_ok, stride_ot, stride_oh, stride_lt)
+    _store_row(Out, Lse, row, head, offs_dv, tl.zeros([BLOCK_M, padded(HEAD_DV)], dtype=tl.float32),
+               tl.full([BLOCK_M], float("-inf"), tl.float32), g_ok, stride_ot, stride_oh, stride_lt, HEAD_DV)
+
+
+@triton.jit
+def _copy_head(Dst, dst, Src, cols, HEAD: tl.constexpr):
+    """``(Dst + dst)[c] = Src[c]`` for the head's columns ``c < HEAD`` of ``cols`` (its padded tile)."""
+    if padded(HEAD) != HEAD:
+        x = tl.load(Src + cols, mask=cols < HEAD)
+        tl.store(Dst + dst + cols, x, mask=cols < HEAD)
+    else:
+        x = tl.load(Src + cols)
+        tl.store(Dst + dst + cols, x)
 
 
 # What changes from step to step is not specialised on, so a new batch, capture size or
@@ -161,8 +175,11 @@ def _decode_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     head = kvh * GROUP + rows
-    offs_d = tl.arange(0, HEAD_D)
-    offs_dv = tl.arange(0, HEAD_DV)
+    # Register tiles are a power of two wide; a head of another size is padded (tile.py).
+    BLOCK_D: tl.constexpr = padded(HEAD_D)
+    BLOCK_DV: tl.constexpr = padded(HEAD_DV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     if req == num_requests:
         # The extra program row: padding rows past the last request's (no request owns them).
         if split == 0:
@@ -211,11 +228,9 @@ def _decode_kernel(
             slot = tl.load(Slots + q_row).to(tl.int64)
             if slot >= 0:
                 dst = (slot // PAGE_SIZE) * stride_kp + (slot % PAGE_SIZE) * stride_ks + kvh.to(tl.int64) * stride_kh
-                k_new = tl.load(KNew + q_row * stride_knt + kvh.to(tl.int64) * stride_knh + offs_d)
-                tl.store(K + dst + offs_d, k_new)
+                _copy_head(K, dst, KNew + q_row * stride_knt + kvh.to(tl.int64) * stride_knh, offs_d, HEAD_D)
                 dst = (slot // PAGE_SIZE) * stride_vp + (slot % PAGE_SIZE) * stride_vs + kvh.to(tl.int64) * stride_vh
-                v_new = tl.load(VNew + q_row * stride_vnt + kvh.to(tl.int64) * stride_vnh + offs_dv)
-                tl.store(V + dst + offs_dv, v_new)
+                _copy_head(V, dst, VNew + q_row * stride_vnt + kvh.to(tl.int64) * stride_vnh, offs_dv, HEAD_DV)
             tl.debug_barrier()  # every thread of the program sees the new key before the tiles read it
     # Tiles before the request's last one are full: no mask needed there; nor past the
     # window's first key (tiles [first, t_inner) hold keys before it).
@@ -230,7 +245,8 @@ def _decode_kernel(
         row_lo = tl.zeros([BLOCK_M], dtype=tl.int32) + lo
         t_inner = tl.minimum(tl.maximum(tl.cdiv(lo, BLOCK_N), first), last)
         n_full = tl.maximum(n_full, t_inner)
-    q = tl.load(Q + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=with_cols(row_ok[:, None], offs_d, HEAD_D), other=0.0)
 
     log2_lam = 0.0
     if SKIP:
@@ -242,7 +258,7 @@ def _decode_kernel(
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     n_skipped = 0
     page_row = PageTable + req.to(tl.int64) * stride_pt
     K_h = K + kvh.to(tl.int64) * stride_kh
@@ -255,7 +271,7 @@ def _decode_kernel(
                                      BLOCK_N)
             m_i, l_i, acc, sk = attend_tile(
                 q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
-                qk_scale2, cap_in, cap_out, log2_lam, t - first, True, SKIP, DOT_F32, True, SOFTCAP,
+                qk_scale2, cap_in, cap_out, log2_lam, t - first, HEAD_D, HEAD_DV, True, SKIP, DOT_F32, True, SOFTCAP,
             )
             n_skipped += sk
     for t in range(t_inner, n_full):
@@ -263,7 +279,7 @@ def _decode_kernel(
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
             q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
-            qk_scale2, cap_in, cap_out, log2_lam, t - first, False, SKIP, DOT_F32, WINDOW != 0, SOFTCAP,
+            qk_scale2, cap_in, cap_out, log2_lam, t - first, HEAD_D, HEAD_DV, False, SKIP, DOT_F32, WINDOW != 0, SOFTCAP,
         )
         n_skipped += sk
     for t in range(tl.maximum(n_full, t_inner), last):
@@ -271,7 +287,7 @@ def _decode_kernel(
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
             q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
-            qk_scale2, cap_in, cap_out, log2_lam, t - first, True, SKIP, DOT_F32, WINDOW != 0, SOFTCAP,
+            qk_scale2, cap_in, cap_out, log2_lam, t - first, HEAD_D, HEAD_DV, True, SKIP, DOT_F32, WINDOW != 0, SOFTCAP,
         )
         n_skipped += sk
     if SKIP:
@@ -284,10 +300,12 @@ def _decode_kernel(
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if n_splits == 1:
         _store_row(Out, Lse, q_row, head, offs_dv, o, lse2 * 0.6931471805599453, row_ok, stride_ot, stride_oh,
-                   stride_lt)
+                   stride_lt, HEAD_DV)
         return
     part = req.to(tl.int64) * stride_pr + split.to(tl.int64) * stride_ps
-    tl.store(PartOut + (part + head[:, None]) * HEAD_DV + offs_dv[None, :], o, mask=row_ok[:, None])
+    # The workspace holds the head's own columns (HEAD_DV a row), not the padded tile's.
+    tl.store(PartOut + (part + head[:, None]) * HEAD_DV + offs_dv[None, :], o,
+             mask=with_cols(row_ok[:, None], offs_dv, HEAD_DV))
     tl.store(PartLse + part + head, lse2, mask=row_ok)
     # Every thread's partial is stored before the program says it is done (release); the
     # last program to arrive sees all runs' partials (acquire) and merges them.
@@ -306,18 +324,18 @@ def _decode_kernel(
         m = tl.maximum(m, tl.max(tl.load(PartLse + idx, mask=ok, other=float("-inf"), cache_modifier=".cg"), 0))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    merged = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
+    merged = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for run in tl.range(0, n_splits, loop_unroll_factor=UNROLL):
         idx = base + run * stride_ps + head  # base is int64
         w = tl.exp2(tl.load(PartLse + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-        part_o = tl.load(PartOut + idx[:, None] * HEAD_DV + offs_dv[None, :], mask=row_ok[:, None], other=0.0,
-                         cache_modifier=".cg")
+        part_o = tl.load(PartOut + idx[:, None] * HEAD_DV + offs_dv[None, :],
+                         mask=with_cols(row_ok[:, None], offs_dv, HEAD_DV), other=0.0, cache_modifier=".cg")
         w_sum += w  # 0 for empty runs
         merged += w[:, None] * part_o
     has = w_sum > 0.0
     out = tl.where(has[:, None], merged / tl.where(has, w_sum, 1.0)[:, None], 0.0)
     lse = tl.where(has, (m + tl.log2(tl.where(has, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
-    _store_row(Out, Lse, q_row, head, offs_dv, out, lse, row_ok, stride_ot, stride_oh, stride_lt)
+    _store_row(Out, Lse, q_row, head, offs_dv, out, lse, row_ok, stride_ot, stride_oh, stride_lt, HEAD_DV)
     tl.store(arrivals, 0)  # ready for the next launch (graph replays included)
 
 

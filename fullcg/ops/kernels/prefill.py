@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fullcg.ops.kernels.launch import Launcher, PlannedLaunch
-from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source, softcap_args
+from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source, padded, softcap_args, with_cols
 
 __all__ = ["prefill_attention", "plan_prefill", "PrefillLaunch"]
 
@@ -108,12 +108,15 @@ def _prefill_kernel(
         t_inner = tl.minimum(tl.maximum(tl.cdiv(lo_last, BLOCK_N), t_start), n_tiles)
         n_full = tl.minimum(tl.maximum(n_full, t_inner), n_tiles)
 
-    offs_d = tl.arange(0, HEAD_D)
-    offs_dv = tl.arange(0, HEAD_DV)
+    # Register tiles are a power of two wide; a head of another size is padded (tile.py).
+    BLOCK_D: tl.constexpr = padded(HEAD_D)
+    BLOCK_DV: tl.constexpr = padded(HEAD_DV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(
         Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None], other=0.0,
+        mask=with_cols(row_ok[:, None], offs_d, HEAD_D), other=0.0,
     )
 
     log2_lam = 0.0
@@ -128,7 +131,7 @@ def _prefill_kernel(
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     n_skipped = 0
     page_row = PageTable + req.to(tl.int64) * stride_pt
     K_h = K + kvh.to(tl.int64) * stride_kh
@@ -141,7 +144,7 @@ def _prefill_kernel(
                                      BLOCK_N)
             m_i, l_i, acc, sk = attend_tile(
                 q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
-                qk_scale2, cap_in, cap_out, log2_lam, t - t_start, True, SKIP, DOT_F32, True, SOFTCAP,
+                qk_scale2, cap_in, cap_out, log2_lam, t - t_start, HEAD_D, HEAD_DV, True, SKIP, DOT_F32, True, SOFTCAP,
             )
             n_skipped += sk
     for t in range(t_inner, n_full):
@@ -149,7 +152,7 @@ def _prefill_kernel(
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
             q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
-            qk_scale2, cap_in, cap_out, log2_lam, t - t_start, False, SKIP, DOT_F32, WINDOW, SOFTCAP,
+            qk_scale2, cap_in, cap_out, log2_lam, t - t_start, HEAD_D, HEAD_DV, False, SKIP, DOT_F32, WINDOW, SOFTCAP,
         )
         n_skipped += sk
     for t in range(n_full, n_tiles):
@@ -157,7 +160,7 @@ def _prefill_kernel(
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc, sk = attend_tile(
             q, m_i, l_i, acc, K_h, V_h, k_offs, v_offs, pos, row_limit, row_lo, kv_len, offs_d, offs_dv,
-            qk_scale2, cap_in, cap_out, log2_lam, t - t_start, True, SKIP, DOT_F32, WINDOW, SOFTCAP,
+            qk_scale2, cap_in, cap_out, log2_lam, t - t_start, HEAD_D, HEAD_DV, True, SKIP, DOT_F32, WINDOW, SOFTCAP,
         )
         n_skipped += sk
 
@@ -167,7 +170,7 @@ def _prefill_kernel(
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(
         Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-        o.to(Out.dtype.element_ty), mask=row_ok[:, None],
+        o.to(Out.dtype.element_ty), mask=with_cols(row_ok[:, None], offs_dv, HEAD_DV),
     )
     tl.store(Lse + q_rows * stride_lt + head, lse, mask=row_ok)
     if SKIP:
@@ -234,7 +237,8 @@ def plan_prefill(
         prefix_lens = window_offsets if window is not None and not causal else query_start_loc
     skip = factor is not None
     if num_warps is None:
-        num_warps = 8 if block_m * max(head_dim, head_dim_v) >= 128 * 128 else 4
+        # By the register tiles' size: a padded head's (tile.py), not the head's own.
+        num_warps = 8 if block_m * max(padded(head_dim), padded(head_dim_v)) >= 128 * 128 else 4
     if num_stages is None:
         num_stages = 2
     tail = (

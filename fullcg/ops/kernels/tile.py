@@ -13,6 +13,12 @@ same code as before they existed:
   before every row's window are never visited).
 * ``SOFTCAP``: logit soft-capping ``s -> c * tanh(s / c)`` on the natural-log scores
   ``s = scale * q.k``, applied before the mask, then converted to log2 space.
+
+Head dims need not be powers of two (80, 96, DeepSeek's 192 for q/k with 128 for v):
+``tl.arange`` does, so a head's register tile is :func:`padded` to the next power of two
+and loads and stores of its columns are masked at the head dim, reading zeros there (zero
+q and k columns add nothing to ``q.k``; zero v columns are never stored). The column mask
+is compiled in only for a padded head: a power-of-two head is the same code as before.
 """
 
 from __future__ import annotations
@@ -24,6 +30,24 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.constexpr_function
+def padded(head_dim: int) -> int:
+    """Columns of the register tile that holds a head of ``head_dim``: the next power of two
+    (``tl.arange`` takes nothing else). Callable in kernels on constexprs and on the host."""
+    return 1 << (int(head_dim) - 1).bit_length()
+
+
+@triton.jit
+def with_cols(mask, cols, HEAD: tl.constexpr):
+    """``mask`` (``[rows, 1]`` or ``[rows, cols]``) also false at columns ``cols >= HEAD``
+    where the tile is :func:`padded` past the head: past it lie the next head's values, or
+    the end of the tensor. A power-of-two head gets ``mask`` itself: no column predicate."""
+    out = mask
+    if padded(HEAD) != HEAD:
+        out = mask & (cols < HEAD)[None, :]
+    return out
 
 
 def softcap_args(scale: float, softcap: float | None) -> tuple[float, float]:
@@ -96,6 +120,8 @@ def attend_tile(
     cap_out,
     log2_lam,
     run_index,
+    HEAD_D: tl.constexpr,
+    HEAD_DV: tl.constexpr,
     MASK: tl.constexpr,
     SKIP: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -108,10 +134,15 @@ def attend_tile(
     ``WINDOW``, ``row_lo[i]`` is the first key it may see (otherwise unused). With ``MASK``
     false every key of the tile is visible to every real row. ``cap_in``/``cap_out`` (see
     :func:`softcap_args`) are read with ``SOFTCAP`` only. ``run_index`` is the tile's place
-    in its run: 0 for the first tile of a run. Returns the new state and 1 if the tile was skipped.
+    in its run: 0 for the first tile of a run. ``offs_d``/``offs_dv`` span the :func:`padded`
+    tiles of heads of ``HEAD_D``/``HEAD_DV`` (q's columns past its head must be 0); k and v
+    columns past them load as 0. Returns the new state and 1 if the tile was skipped.
     """
     if MASK:
-        k = tl.load(K + k_offs[:, None] + offs_d[None, :], mask=(pos < kv_len)[:, None], other=0.0)
+        k = tl.load(K + k_offs[:, None] + offs_d[None, :], mask=with_cols((pos < kv_len)[:, None], offs_d, HEAD_D),
+                    other=0.0)
+    elif padded(HEAD_D) != HEAD_D:
+        k = tl.load(K + k_offs[:, None] + offs_d[None, :], mask=(offs_d < HEAD_D)[None, :], other=0.0)
     else:
         k = tl.load(K + k_offs[:, None] + offs_d[None, :])
     if DOT_F32:
@@ -146,7 +177,10 @@ def attend_tile(
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
-            v = tl.load(V + v_offs[:, None] + offs_dv[None, :], mask=(pos < kv_len)[:, None], other=0.0)
+            v = tl.load(V + v_offs[:, None] + offs_dv[None, :],
+                        mask=with_cols((pos < kv_len)[:, None], offs_dv, HEAD_DV), other=0.0)
+        elif padded(HEAD_DV) != HEAD_DV:
+            v = tl.load(V + v_offs[:, None] + offs_dv[None, :], mask=(offs_dv < HEAD_DV)[None, :], other=0.0)
         else:
             v = tl.load(V + v_offs[:, None] + offs_dv[None, :])
         if DOT_F32:
