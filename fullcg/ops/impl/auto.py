@@ -43,12 +43,15 @@ class AutoAttention(AttentionImpl):
         self.flashinfer = flashinfer
         self.triton = triton
         self.capture_safe = flashinfer.capture_safe and triton.capture_safe
+        #: A latent cache (multi-head latent attention) reaches this only if both take one.
+        self.takes_v_in_k = flashinfer.takes_v_in_k and triton.takes_v_in_k
 
     def choose(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> AttentionImpl:
         """The implementation that runs ``call`` (``cache``: the layer's cache, when it has one)."""
         if call.prefill_scale_factor is None and call.decode_scale_factor is None and call.q.dtype in _HALF \
-                and call.sliding_window is None and call.logit_softcap is None:
-            # Dense half-precision calls, the common case: decided without probing.
+                and call.sliding_window is None and call.logit_softcap is None and call.q.shape[2] == call.v.shape[2]:
+            # Dense half-precision calls of one head dim, the common case: decided without
+            # probing (unequal dims, as multi-head latent attention has, ask serves()).
             # Recorded as the step's resolved implementations are: a captured graph's
             # replays plan what it ran, not both.
             ctx.step.ran[self.flashinfer.name] = self.flashinfer
@@ -59,6 +62,7 @@ class AutoAttention(AttentionImpl):
                call.sliding_window, call.logit_softcap, call.q.dtype,
                call.q.shape, call.k.shape, call.v.shape,
                attends_cache.v_offset_pages if attends_cache is not None else None,
+               attends_cache.v_in_k if attends_cache is not None else None,
                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         step = ctx.step
         chosen = step.auto_choices.get(key)

@@ -8,6 +8,15 @@ What each call uses:
   are FlashInfer's ``NHD`` layout with separate k and v tensors.
 - attention over given k/v (packed per request like q, or a prefix chunk packed as
   ``metadata.prefix_chunks[c]`` says): ``BatchPrefillWithRaggedKVCacheWrapper``.
+- attention over a latent cache (multi-head latent attention, :attr:`fullcg.KVCache.v_in_k`):
+  ``BatchMLAPagedAttentionWrapper`` for every batch kind (:mod:`fullcg.ops.impl.flashinfer_mla`
+  says how, and what it refuses).
+
+Head dims: 64, 128 or 256 (q and v alike) for every call kind; 192 for q and k with 128 for
+v (DeepSeek's decompressed keys and values, the chunked-prefix path of MLA) over given k/v
+only, where the ragged FA2 kernel takes them (FlashInfer's paged and decode paths are not
+run at those dims: such a call over the cache is refused); 576 and 512 (DeepSeek's latent
+plus rope key, and latent) over a latent cache only.
 
 Sliding windows and logit soft-capping are plan arguments of FlashInfer's FA2 kernels
 (``window_left = W - 1`` for a window of ``W`` keys, and ``logits_soft_cap``; ``_mask_args``
@@ -41,8 +50,10 @@ CUDA graphs. For a padded batch size that is one of the config's capture sizes, 
 wrappers made with ``use_cuda_graph=True``, one per (layer shape, call kind, padded size),
 whose index buffers never move and whose request count is fixed at the padded size: real
 requests come first, then one stand-in request that owns the padding rows, then empty
-requests. Replaying a graph for another batch of the same padded size only needs
-``plan(ctx)`` first, which rewrites those buffers in place.
+requests (decode-only batches: one stand-in request per padding row). Replaying a graph for
+another batch of the same padded size only needs ``plan(ctx)`` first, which rewrites those
+buffers in place. MLA wrappers replay the same way (see :mod:`fullcg.ops.impl.flashinfer_mla`
+for why their launch does not change with the batch).
 """
 
 from __future__ import annotations
@@ -66,7 +77,7 @@ from fullcg.context import ForwardContext
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata
 from fullcg.ops.call import AttentionCall
-from fullcg.ops.impl import fmha_v2, register_implementation
+from fullcg.ops.impl import flashinfer_mla, fmha_v2, register_implementation
 from fullcg.ops.impl.base import AttentionImpl
 from fullcg.ops.kernels.save_kv import save_new_kv
 
@@ -87,6 +98,9 @@ _LN2 = math.log(2.0)
 _INT = torch.int32
 #: Head dims FlashInfer's kernels take (q and v alike); FMHAv2 takes the same.
 _HEAD_DIMS = fmha_v2.HEAD_DIMS
+#: ``(head_dim, v_head_dim)`` of DeepSeek's decompressed attention (nope 128 + rope 64, v 128),
+#: which FlashInfer's ragged prefill takes (over given k/v only).
+_DEEPSEEK_MHA_DIMS = (192, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +131,9 @@ def _mask_args(shape: _Shape) -> dict[str, object]:
     return dict(window_left=window, logits_soft_cap=shape.logit_softcap)
 
 
-# Call kinds: ("cache",), ("ragged", causal), ("chunk", index). "cache" plans the decode
-# wrapper for decode-only batches and the paged prefill wrapper otherwise.
+# Call kinds: ("cache",), ("mla",), ("ragged", causal), ("chunk", index). "cache" plans the
+# decode wrapper for decode-only batches and the paged prefill wrapper otherwise; "mla" is
+# attention over a latent cache, on the MLA wrapper for every batch kind.
 _Kind = tuple
 
 
@@ -152,6 +167,13 @@ class _FmhaBatch:
     max_q_len: int
     max_kv_len: int
     tables: dict[int, torch.Tensor]  # by V's page offset: int32 [R, 2, M]
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (the current one for a bare ``cuda``)."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
 
 
 def _capturing() -> bool:
@@ -235,11 +257,21 @@ class FlashInferAttention(AttentionImpl):
 
     name = "flashinfer"
     capture_safe = True
+    #: Latent caches are attended by FlashInfer's MLA kernel (:mod:`fullcg.ops.impl.flashinfer_mla`).
+    takes_v_in_k = True
     #: Run eager prefill/extend attention through FMHAv2 on SM90 (see the module docstring).
     use_fmha_v2 = True
+    #: The MLA wrapper's backend: None for FlashInfer's choice (FA3 on Hopper, FA2 elsewhere),
+    #: or ``"fa2"``/``"fa3"``.
+    mla_backend: str | None = None
 
-    #: New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe).
-    save_kv = staticmethod(save_new_kv)
+    def save_kv(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> None:
+        """New k/v are written by a Triton kernel that skips padding slots (CUDA-graph safe);
+        into a latent cache as one row per token, the value being the key's leading values."""
+        if cache.v_in_k:
+            flashinfer_mla.save_latent(call, ctx, cache)
+        else:
+            save_new_kv(call, ctx, cache)
 
     def __init__(self) -> None:
         self._workspaces: dict[torch.device, torch.Tensor] = {}
@@ -251,6 +283,9 @@ class FlashInferAttention(AttentionImpl):
         self._known: dict[_Shape, set[_Kind]] = {}
         self._fmha_batch: _FmhaBatch | None = None
         self._fmha_workspaces: dict[torch.device, torch.Tensor] = {}
+        # The launch of each CUDA-graph MLA wrapper's first plan, by id (wrappers live as
+        # long as the implementation): later plans must keep it (flashinfer_mla.plan).
+        self._mla_launches: dict[int, tuple[int, ...] | None] = {}
 
     # ------------------------------------------------------------------ planning
 
@@ -267,16 +302,19 @@ class FlashInferAttention(AttentionImpl):
                 if kind[0] == "chunk" and kind[1] >= len(md.prefix_chunks):
                     continue
                 cache = None
-                if kind[0] == "cache":
-                    # The largest cache of this shape sizes the page buffers.
+                if kind[0] in ("cache", "mla"):
+                    # The largest cache of this shape (latent for MLA) sizes the page buffers.
                     fits = [
                         c for c in ctx.kv_caches.values()
                         if c.k.device == shape.device and c.num_kv_heads == shape.num_kv_heads
                         and c.head_dim == shape.head_dim and c.v_head_dim == shape.v_head_dim
+                        and c.v_in_k == (kind[0] == "mla")
                     ]
                     if not fits:
                         continue
                     cache = max(fits, key=lambda c: c.num_pages)
+                if kind[0] == "mla" and not self._mla_schedule_fits(shape, md, slots):
+                    continue  # refused at this size, so never captured on FlashInfer: nothing to plan
                 self._plan(shape, kind, md, slots, cache, skip_factor=None)
 
     def _workspace(self, device: torch.device) -> torch.Tensor:
@@ -291,7 +329,10 @@ class FlashInferAttention(AttentionImpl):
         self, shape: _Shape, kind: _Kind, decode: bool, slots: int | None, max_pages: int, backend: str
     ) -> object:
         """The wrapper for ``kind`` (and decode or not); CUDA-graph ones get fixed buffers."""
-        flavour = "ragged" if kind[0] != "cache" else ("decode" if decode else "paged")
+        if kind[0] == "mla":
+            flavour = "mla"
+        else:
+            flavour = "ragged" if kind[0] != "cache" else ("decode" if decode else "paged")
         # max_pages follows the cache's size: a new cache gets new buffers (graphs captured
         # with the old ones are captured again anyway, since the cache moved).
         key = (shape, kind, flavour, slots, max_pages if slots is not None else 0, backend)
@@ -331,6 +372,26 @@ class FlashInferAttention(AttentionImpl):
                     paged_kv_last_page_len_buf=torch.zeros(slots, dtype=_INT, device=dev),
                 )
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend, **graph)
+        elif flavour == "mla":
+            if slots is not None:
+                graph.update(
+                    qo_indptr=torch.zeros(slots + 1, dtype=_INT, device=dev),
+                    kv_indptr=torch.zeros(slots + 1, dtype=_INT, device=dev),
+                    kv_indices=torch.zeros(max_pages, dtype=_INT, device=dev),
+                    kv_len_arr=torch.zeros(slots, dtype=_INT, device=dev),
+                )
+            wrapper = flashinfer.BatchMLAPagedAttentionWrapper(ws, backend=backend, **graph)
+            # The MLA wrapper has no reset_workspace_buffer: its plan info goes to the shared
+            # int workspace through the attribute its plan and run read (each wrapper keeps
+            # its own page-locked staging buffer). Without the attribute each keeps its own.
+            int_key = (shape, kind, flavour, backend)
+            shared = self._int_workspaces.get(int_key)
+            if shared is None:
+                self._int_workspaces[int_key] = getattr(wrapper, "_int_workspace_buffer", None)
+            elif hasattr(wrapper, "_int_workspace_buffer"):
+                wrapper._int_workspace_buffer = shared
+            self._wrappers[key] = wrapper
+            return wrapper
         else:
             if slots is not None:
                 graph.update(
@@ -358,7 +419,11 @@ class FlashInferAttention(AttentionImpl):
     ) -> _Plan:
         backend = DENSE_BACKEND if skip_factor is None else SKIP_SOFTMAX_BACKEND
         common = dict(sm_scale=shape.scale, q_data_type=shape.dtype, **_mask_args(shape))
-        if kind[0] == "cache":
+        if kind[0] == "mla":
+            assert cache is not None
+            wrapper = self._plan_mla(shape, kind, md, slots, cache)
+            kv_rows = 0
+        elif kind[0] == "cache":
             assert cache is not None
             # The decode wrapper takes one head dim for k and v; other shapes use the prefill one.
             decode = md.is_decode_only and shape.head_dim == shape.v_head_dim
@@ -397,6 +462,49 @@ class FlashInferAttention(AttentionImpl):
         plan = _Plan(wrapper, weakref.ref(md), slots, kv_rows, backend)
         self._plans[(shape, kind, slots, backend)] = plan
         return plan
+
+    def _plan_mla(
+        self, shape: _Shape, kind: _Kind, md: AttentionMetadata, slots: int | None, cache: KVCache
+    ) -> object:
+        """The MLA wrapper for this batch (CUDA-graph one with ``slots``), planned: every request
+        over its prefix and new tokens, causal; padding requests as the paged wrappers have them."""
+        rows = slots if slots is not None else md.num_tokens
+        idx = _paged_indices(md, slots, rows, md.is_decode_only)
+        max_pages = 2 * cache.num_pages + 2 * (slots or 0) + 1
+        if slots is not None and idx.kv_indices.numel() > max_pages:
+            raise ValueError(
+                f"flashinfer: the batch reads {idx.kv_indices.numel()} pages, more than a CUDA-graph plan holds "
+                f"({max_pages}); requests share too many pages for captured attention, run it uncaptured"
+            )
+        q_lens = (idx.qo_indptr[1:] - idx.qo_indptr[:-1]).tolist()
+        bound = flashinfer_mla.schedule_bound(q_lens, shape.num_qo_heads, flashinfer_mla.num_sms(_index(shape.device)))
+        if bound > flashinfer_mla.MAX_WORK_ITEMS:  # refused earlier (serves/forward); never hand it to FlashInfer
+            raise ValueError(
+                f"flashinfer: this batch's MLA schedule may need {bound} work items, more than the "
+                f"{flashinfer_mla.MAX_WORK_ITEMS} a FlashInfer plan holds; run fewer tokens per step, or use "
+                "attention_impl='triton' or 'reference'"
+            )
+        wrapper = self._wrapper(shape, kind, False, slots, max_pages, self._mla_backend_for(shape.device))
+        lens = flashinfer_mla.kv_lens(idx.kv_indptr, idx.last_page_len, md.page_size)
+        first = self._mla_launches.get(id(wrapper)) if slots is not None else None
+        launch = flashinfer_mla.plan(
+            wrapper, idx.qo_indptr, idx.kv_indptr, idx.kv_indices, lens, num_heads=shape.num_qo_heads,
+            page_size=md.page_size, scale=shape.scale, dtype=shape.dtype, launch=first,
+        )
+        if slots is not None and first is None:
+            self._mla_launches[id(wrapper)] = launch
+        return wrapper
+
+    def _mla_schedule_fits(self, shape: _Shape, md: AttentionMetadata, slots: int | None) -> bool:
+        """Whether MLA calls of ``shape`` are served at this batch's size (the work-item bound
+        :meth:`_mla_refusal` applies)."""
+        items = self._mla_work_items(shape.num_qo_heads, md, slots, _index(shape.device))
+        return items <= flashinfer_mla.MAX_WORK_ITEMS
+
+    def _mla_backend_for(self, device: torch.device) -> str:
+        if self.mla_backend is not None:
+            return self.mla_backend
+        return flashinfer_mla.backend_for(flashinfer_mla.capability(_index(device)))
 
     def _planned(
         self, call: AttentionCall, ctx: ForwardContext, shape: _Shape, kind: _Kind, cache: KVCache | None,
@@ -483,9 +591,14 @@ class FlashInferAttention(AttentionImpl):
         """Whether :meth:`forward` computes ``call`` as asked instead of refusing it: a CUDA
         call in fp16/bf16 of head dims FlashInfer takes, a sliding window except over a prefix
         chunk, and a skip-softmax factor only where FlashInfer honours it (never with a window
-        or soft-cap; ``cache``: the layer's cache when the call attends over it)."""
+        or soft-cap; ``cache``: the layer's cache when the call attends over it). Over a latent
+        cache: what :func:`fullcg.ops.impl.flashinfer_mla.refusal` lets through."""
         q = call.q
-        if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or not self.supports(q.shape[2], call.v.shape[2]):
+        if not q.is_cuda:
+            return False
+        if flashinfer_mla.is_latent_call(cache):
+            return self._mla_refusal(call, ctx, cache, "") is None
+        if q.dtype not in (torch.float16, torch.bfloat16) or self._dims_refusal(call, cache, "") is not None:
             return False
         if self._mask_refusal(call, "") is not None:
             return False
@@ -498,7 +611,11 @@ class FlashInferAttention(AttentionImpl):
     # ------------------------------------------------------------------ running
 
     def supports(self, head_dim: int, v_head_dim: int) -> bool:
-        return head_dim in _HEAD_DIMS and v_head_dim == head_dim
+        """64, 128 or 256 (q and v alike); 192/128 (over given k/v only) and 576/512 (over a
+        latent cache only), which ``serves`` and ``forward`` tell apart by the call (the head
+        dims alone do not say whether the cache is latent)."""
+        return (head_dim in _HEAD_DIMS and v_head_dim == head_dim) or (head_dim, v_head_dim) in (
+            _DEEPSEEK_MHA_DIMS, flashinfer_mla.DIMS)
 
     def forward(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache | None) -> torch.Tensor | None:
         """Compute ``call`` into ``call.out``; return natural-log LSE ``[T, Hq]`` iff asked."""
@@ -507,9 +624,12 @@ class FlashInferAttention(AttentionImpl):
         if not q.is_cuda:
             raise RuntimeError(f"{where}: tensors are on {q.device}; FlashInfer needs a CUDA device. "
                                "Use attention_impl='reference' on the CPU")
-        if not self.supports(q.shape[2], call.v.shape[2]):
-            raise ValueError(f"{where}: FlashInfer's kernels take head dims 64, 128 or 256 (q and v alike), got "
-                             f"{q.shape[2]} and {call.v.shape[2]}; use attention_impl='triton' or 'reference'")
+        if flashinfer_mla.is_latent_call(cache):
+            if (refusal := self._mla_refusal(call, ctx, cache, where)) is not None:
+                raise refusal
+            return self._forward_mla(call, ctx, cache)
+        if (refusal := self._dims_refusal(call, cache, where)) is not None:
+            raise refusal
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{where}: FlashInfer computes in float16 or bfloat16, got {q.dtype}; "
                             "cast the model or use attention_impl='reference'")
@@ -562,6 +682,69 @@ class FlashInferAttention(AttentionImpl):
         return self._finish(call, md, target, lse)
 
     @staticmethod
+    def _dims_refusal(call: AttentionCall, cache: KVCache | None, where: str) -> ValueError | None:
+        """The error for head dims no FlashInfer kernel fullcg runs takes for this call (None:
+        one does). ``cache``: the layer's cache when the call attends over it, not latent."""
+        dims = (call.q.shape[2], call.v.shape[2])
+        if dims[0] in _HEAD_DIMS and dims[1] == dims[0]:
+            return None
+        if dims == _DEEPSEEK_MHA_DIMS:
+            if cache is None:
+                return None
+            return ValueError(
+                f"{where}: FlashInfer runs head dims 192/128 (DeepSeek's decompressed keys and values) over given k/v "
+                "only (its ragged prefill); over a paged KV cache use attention_impl='triton' or 'reference', or "
+                "MLA's latent cache (fullcg.MLAAttention)"
+            )
+        if dims == flashinfer_mla.DIMS:
+            return ValueError(
+                f"{where}: head dims 576/512 run on FlashInfer's MLA kernel, which attends only over a latent cache "
+                "(fullcg.MLAAttention's, KVCache.v_in_k) with use_kv_cache=True; use attention_impl='triton' or "
+                "'reference'"
+            )
+        return ValueError(
+            f"{where}: FlashInfer's kernels take head dims 64, 128 or 256 (q and v alike), 192/128 over given k/v and "
+            f"576/512 over a latent cache, got {dims[0]} and {dims[1]}; use attention_impl='triton' or 'reference'"
+        )
+
+    def _mla_refusal(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache, where: str) -> Exception | None:
+        """The error refusing an MLA call (over the latent ``cache``) FlashInfer would not
+        compute as asked, or None; see :func:`fullcg.ops.impl.flashinfer_mla.refusal`."""
+        factor, factor_refusal = self._skip_factor(call, ctx, cache, False)
+        slots = _padded_size(ctx)
+        index = _index(call.q.device)
+        return flashinfer_mla.refusal(
+            call, cache, where, device_capability=flashinfer_mla.capability(index),
+            uses_factor=factor is not None or factor_refusal is not None,
+            work_items=self._mla_work_items(call.num_q_heads, ctx.metadata, slots if slots == call.q.shape[0] else None,
+                                            index),
+        )
+
+    @staticmethod
+    def _mla_work_items(heads: int, md: AttentionMetadata, slots: int | None, index: int) -> int:
+        """The schedule bound MLA calls of ``heads`` query heads are judged by: a CUDA-graph
+        plan (``slots``) by its worst case at its padded size, so that its capture and every
+        replay agree; an exact plan by the batch."""
+        sms = flashinfer_mla.num_sms(index)
+        if slots is not None:
+            return flashinfer_mla.padded_schedule_bound(slots, heads, sms)
+        return flashinfer_mla.schedule_bound(md.query_lens, heads, sms)
+
+    def _forward_mla(self, call: AttentionCall, ctx: ForwardContext, cache: KVCache) -> torch.Tensor | None:
+        md = ctx.metadata
+        shape, kind = self._shape_and_kind(call, cache)
+        plan = self._planned(call, ctx, shape, kind, cache, None)
+        q = call.q.contiguous()
+        target = call.out if call.out.is_contiguous() else torch.empty_like(call.out)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if call.return_lse else None
+        # A CUDA-graph plan covers every row (padding requests included); an exact one only
+        # the real tokens, leaving the rest to _finish.
+        flashinfer_mla.run(plan.wrapper, q, cache, target, lse)
+        if lse is not None:
+            lse.mul_(_LN2)  # FlashInfer's log2 -> natural log
+        return self._finish(call, md, target, lse)
+
+    @staticmethod
     def _mask_refusal(call: AttentionCall, where: str) -> ValueError | None:
         """The error for a sliding window FlashInfer cannot place (None: it can): over a
         prefix chunk, whose keys end a different distance before each request's queries."""
@@ -581,7 +764,7 @@ class FlashInferAttention(AttentionImpl):
         shape = _Shape(q.device, call.num_q_heads, call.num_kv_heads, q.shape[2], call.v.shape[2], q.dtype,
                        float(call.scale), call.sliding_window, softcap)
         if cache is not None:
-            return shape, ("cache",)
+            return shape, ("mla",) if cache.v_in_k else ("cache",)
         if call.prefix_chunk is not None:
             return shape, ("chunk", call.prefix_chunk)
         return shape, ("ragged", bool(call.causal))
