@@ -70,3 +70,24 @@ def test_merge_attn_states_passes_opcheck():
     la[0, 0] = float("-inf")
     for out_lse in (None, torch.empty(5, 3)):
         torch.library.opcheck(torch.ops.fullcg.merge_attn_states.default, (torch.empty(5, 3, 8), a, la, b, lb, out_lse))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_merge_latent_prefix_chunks_passes_opcheck(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    heads, rank, nope, rope, v_dim = 2, 16, 8, 8, 8
+    mla = fullcg.MLAAttention(heads, rank, nope, rope, v_dim, layer_id=0)
+    mla.allocate_kv_cache(8, 4, device=device)
+    g = torch.Generator().manual_seed(0)
+    mla.kv_cache.k.copy_(torch.randn(mla.kv_cache.k.shape, generator=g))
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    md = fullcg.AttentionMetadata.build([3, 2], [5, 6], table, 4, prefix_chunk_tokens=4, device=device)
+    q = torch.randn(5, heads, nope + rope, generator=g).to(device)
+    out = torch.randn(5, heads, v_dim, generator=g).to(device)
+    lse = torch.randn(5, heads, generator=g).to(device)
+    latent = torch.randn(5, rank + rope, generator=g).to(device)
+    kv_b = torch.randn(heads * (nope + v_dim), rank, generator=g).to(device)
+    with torch.inference_mode(), fullcg.forward_context(md, mla, config=fullcg.FullCGConfig(attention_impl="reference")):
+        torch.library.opcheck(torch.ops.fullcg.merge_latent_prefix_chunks.default,
+                              (q, out, lse, latent, kv_b, 0, None, None, None, mla.kv_cache.uid))
