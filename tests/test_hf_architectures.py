@@ -363,3 +363,22 @@ def test_deepseek_v3_keeps_one_latent_per_token_not_decompressed_keys_and_values
     for layer in fhf.attention_layers(model):
         cache = layer.kv_cache
         assert cache.v_in_k and tuple(cache.k.shape[2:]) == (1, 16 + 8) and cache.v.shape[-1] == 16
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_deepseek_v3_in_mha_form_for_prompt_steps_equals_hf_every_step(compiled, monkeypatch):
+    """Every step without decode requests runs MLA in MHA form (the new tokens up-projected,
+    the cached prefix chunk by chunk), still over the latent cache: logits equal HF's."""
+    from fullcg.ops import torch_ops
+
+    gathered = []
+    gather = torch_ops.gather_prefix_chunk
+    monkeypatch.setattr(torch_ops, "gather_prefix_chunk", lambda *a: (gathered.append(1), gather(*a))[1])
+    torch._dynamo.reset()
+    ref, _, step_module = build_pair("deepseek_v3")
+    config = fullcg.FullCGConfig(mla_mha_min_tokens=1)
+    run = fullcg.compile(step_module, compiler="eager", mla_mha_min_tokens=1) if compiled else step_module
+    worst, kinds = run_steps(ref, step_module, run, config=config)
+    assert worst < TOLERANCE
+    assert {"extend", "prefill"} <= kinds[1]
+    assert gathered, "an extend step read its cached prefix chunk by chunk"
