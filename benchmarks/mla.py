@@ -13,7 +13,8 @@ DeepSeek-V3's attention dims (latent 512, rope 64, nope 128, v 128), bf16, pages
   times) and a burst of launches is replayed from one CUDA graph, so each figure is GPU time
   per launch from DRAM: the median over repeats of burst time / launches. ``floor_ms`` is
   the latent bytes one launch reads over the device's measured copy bandwidth.
-- ``extend`` rows: one request adding 512 tokens to an 8k or 32k cached prefix through
+- ``extend`` rows: one request adding 512 tokens to an 8k or 32k cached prefix (and 4096
+  tokens to none or 8k) through
   ``fullcg.MLAAttention`` (``attention_impl="auto"``): in MHA form (new tokens up-projected,
   the prefix chunk by chunk), absorbed, and as the default ``mla_mha_min_tokens`` picks.
   ``floor_ms`` there is the absorbed form's latent bytes over the copy bandwidth.
@@ -212,11 +213,16 @@ class _ExtendLayer(torch.nn.Module):
         self.kv_b = torch.randn(heads * (NOPE + VDIM), RANK, dtype=DTYPE, device=dev) / math.sqrt(RANK)
 
 
+#: (new tokens, cached prefix) of the extend rows: a 512-token extend on 8k and 32k
+#: prefixes, and 4096-token prompts with no prefix and on an 8k one.
+EXTENDS = ((512, 8192), (512, 32768), (4096, 0), (4096, 8192))
+
+
 def extend_rows(dev: torch.device, bandwidth: float, quick: bool) -> list[dict]:
     rows = []
-    new = 512
+    default = fullcg.FullCGConfig().mla_mha_min_tokens
     for heads in (16, 128):
-        for context in ((8192,) if quick else (8192, 32768)):
+        for new, context in (EXTENDS[:1] if quick else EXTENDS):
             layer = _ExtendLayer(heads, dev)
             pages = math.ceil((context + new) / PAGE)
             layer.mla.allocate_kv_cache(pages, PAGE, dtype=DTYPE, device=dev)
@@ -229,7 +235,7 @@ def extend_rows(dev: torch.device, bandwidth: float, quick: bool) -> list[dict]:
                  "latent": torch.randn(new, RANK, generator=g, device=dev, dtype=DTYPE),
                  "k_pe": torch.randn(new, ROPE, generator=g, device=dev, dtype=DTYPE)}
             impls = {}
-            for name, threshold in (("mha", 1), ("absorbed", None), ("default", fullcg.FullCGConfig().mla_mha_min_tokens)):
+            for name, threshold in (("mha", 1), ("absorbed", None), ("default", default)):
                 config = fullcg.FullCGConfig(attention_impl="auto", mla_mha_min_tokens=threshold)
 
                 def run() -> None:
@@ -238,7 +244,7 @@ def extend_rows(dev: torch.device, bandwidth: float, quick: bool) -> list[dict]:
 
                 try:
                     with torch.inference_mode():
-                        impls[name] = {"ms": round(events_ms(run, 10, dev), 4)}
+                        impls[name] = {"ms": round(events_ms(run, 5, dev), 4)}
                 except Exception as exc:  # noqa: BLE001
                     impls[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             floor = (context + new) * (RANK + ROPE) * 2 / bandwidth * 1e3
@@ -246,7 +252,6 @@ def extend_rows(dev: torch.device, bandwidth: float, quick: bool) -> list[dict]:
                    "floor_ms": round(floor, 5), "impls": impls}
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del layer
             torch.cuda.empty_cache()
     return rows
 
@@ -279,7 +284,6 @@ def model_rows(dev: torch.device) -> list[dict]:
 
         with torch.inference_mode():
             impls[mode] = {"ms": round(events_ms(step, 50, dev), 4), "counts": dict(run.step_counts())}
-        del model, run
         torch.cuda.empty_cache()
     row = {"kind": "model_decode_step", "batch": batch, "context": context, "heads": 16, "layers": 4,
            "floor_ms": None, "impls": impls}

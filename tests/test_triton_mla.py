@@ -513,7 +513,9 @@ def test_compiled_mla_with_triton_equals_the_reference(graph_mode, monkeypatch):
     got = _run_steps(model, compiled, inputs, "triton")
     for e, o in zip(expected, got):
         torch.testing.assert_close(o, e, atol=1e-5, rtol=1e-5)
-    assert len(forwards) < 2 * len(STEPS), "the second layer of a compiled step runs the first one's plan"
+    if DEVICE.type == "cpu" or graph_mode == "piecewise":
+        # (On a GPU a full graph calls forward while capturing each size, and never on replay.)
+        assert len(forwards) < 2 * len(STEPS), "the second layer of a compiled step runs the first one's plan"
 
 
 # ---- real sizes on a GPU -----------------------------------------------------------------
@@ -548,8 +550,10 @@ def test_runs_merged_in_one_launch_give_the_same_bits_every_time_on_gpu(heads):
     b = latent_batch([1] * len(lens), lens, heads=heads, page_size=64, dtype=torch.bfloat16, seed=3, spare_pages=0,
                      **V3)
     md = b.metadata
+    # Each token's own row is saved by the launch (the batch's cache holds the prefixes only).
     options = dict(query_start_loc=md.query_start_loc, page_table=md.page_table, seq_lens=md.seq_lens,
-                   scale=b.layer.scale, num_splits=16, workspace={})
+                   scale=b.layer.scale, num_splits=16, workspace={}, slot_mapping=md.slot_mapping,
+                   new_kv=(b.k, b.v))
     first_out = torch.empty(b.q.shape[0], heads, 512, dtype=b.q.dtype, device=DEVICE)
     first_lse = torch.empty(b.q.shape[:2], device=DEVICE)
     mla_kernels.mla_attention(b.q, b.cache.k, first_out, first_lse, **options)
