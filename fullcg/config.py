@@ -317,7 +317,7 @@ class FullCGConfig:
     compile_cache: bool = True
     cache_dir: str | None = None
     trust_shared_cache: bool = False
-    mla_mha_min_tokens: int | None = 256
+    mla_mha_min_tokens: int | None = 2048
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:

@@ -220,12 +220,12 @@ def test_absorbed_and_mha_forms_agree_and_lse_merges_exactly():
 
 
 def test_the_form_follows_mla_mha_min_tokens_decode_requests_and_full_graphs():
-    table = torch.arange(200, dtype=torch.int32).view(2, 100)
-    long_prompt = fullcg.AttentionMetadata.build([300, 2], [0, 0], table, PAGE)
+    table = torch.arange(1200, dtype=torch.int32).view(2, 600)
+    long_prompt = fullcg.AttentionMetadata.build([2100, 2], [0, 0], table, PAGE)
     short = fullcg.AttentionMetadata.build([100, 2], [0, 0], table, PAGE)
-    with_decode = fullcg.AttentionMetadata.build([300, 1], [0, 5], table, PAGE)
+    with_decode = fullcg.AttentionMetadata.build([2100, 1], [0, 5], table, PAGE)
     default = fullcg.FullCGConfig()
-    assert default.mla_mha_min_tokens == 256
+    assert default.mla_mha_min_tokens == 2048
 
     def form(md, config=default, variant=None):
         with torch.inference_mode(), fullcg.forward_context(md, config=config) as ctx:
