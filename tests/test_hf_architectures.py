@@ -79,6 +79,11 @@ ARCHITECTURES = {
                           q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                           n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
                           first_k_dense_replace=1), [None, None], [None, None]),
+    # DeepSeek-V2: the same latent attention with a complex rotary embedding (freqs_cis).
+    "deepseek_v2": (_arch("DeepseekV2ForCausalLM", "DeepseekV2Config", num_key_value_heads=4, head_dim=8,
+                          q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                          n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+                          first_k_dense_replace=1), [None, None], [None, None]),
     # module.sliding_window is set on every layer; layer_types says none slides.
     "exaone4_full": (_arch("Exaone4ForCausalLM", "Exaone4Config", sliding_window=WINDOW,
                            layer_types=["full_attention"] * 2), [None, None], [None, None]),
@@ -97,7 +102,7 @@ ARCHITECTURES = {
 
 #: Compiled: windows on every layer, soft-capping with sliding and full layers, sinks, and
 #: multi-head latent attention.
-COMPILED = ["mistral", "gemma2", "gpt_oss", "deepseek_v3"]
+COMPILED = ["mistral", "gemma2", "gpt_oss", "deepseek_v3", "deepseek_v2"]
 GENERATE_COMPILED = ["gemma2", "gpt_oss"]
 
 
@@ -352,21 +357,26 @@ def test_gpt2_conv1d_is_a_linear_layer_not_a_convolution_mixer():
     assert [a.layer_id for a in fhf.attention_layers(model)] == [0, 1]
 
 
-def test_deepseek_v3_keeps_one_latent_per_token_not_decompressed_keys_and_values():
-    """DeepSeek-V3's attention runs as fullcg.MLAAttention in the absorbed form: its cache
-    holds the latent and the rope key (kv_lora_rank + qk_rope_head_dim values per token, one
-    KV head), the value being the latent's view."""
-    _, model, _ = build_pair("deepseek_v3")
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_keeps_one_latent_per_token_not_decompressed_keys_and_values(arch):
+    """DeepSeek-V2/V3's attention runs as fullcg.MLAAttention: its cache holds the latent and
+    the rope key (kv_lora_rank + qk_rope_head_dim values per token, one KV head), the value
+    being the latent's view."""
+    _, model, _ = build_pair(arch)
+    found = 0
     for module in model.modules():
-        if type(module).__name__ == "DeepseekV3Attention":
+        if type(module).__name__ in ("DeepseekV3Attention", "DeepseekV2Attention"):
             assert isinstance(getattr(module, fhf._CHILD), fullcg.MLAAttention)
+            found += 1
+    assert found == 2
     for layer in fhf.attention_layers(model):
         cache = layer.kv_cache
         assert cache.v_in_k and tuple(cache.k.shape[2:]) == (1, 16 + 8) and cache.v.shape[-1] == 16
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_deepseek_v3_in_mha_form_for_prompt_steps_equals_hf_every_step(compiled, monkeypatch):
+def test_deepseek_in_mha_form_for_prompt_steps_equals_hf_every_step(compiled, arch, monkeypatch):
     """Every step without decode requests runs MLA in MHA form (the new tokens up-projected,
     the cached prefix chunk by chunk), still over the latent cache: logits equal HF's."""
     from fullcg.ops import torch_ops
@@ -375,7 +385,7 @@ def test_deepseek_v3_in_mha_form_for_prompt_steps_equals_hf_every_step(compiled,
     gather = torch_ops.gather_prefix_chunk
     monkeypatch.setattr(torch_ops, "gather_prefix_chunk", lambda *a: (gathered.append(1), gather(*a))[1])
     torch._dynamo.reset()
-    ref, _, step_module = build_pair("deepseek_v3")
+    ref, _, step_module = build_pair(arch)
     config = fullcg.FullCGConfig(mla_mha_min_tokens=1)
     run = fullcg.compile(step_module, compiler="eager", mla_mha_min_tokens=1) if compiled else step_module
     worst, kinds = run_steps(ref, step_module, run, config=config)

@@ -517,9 +517,10 @@ def prepare(
 
 
 #: HF attention classes whose forward fullcg replaces to keep a latent cache (multi-head latent
-#: attention in the absorbed form); other MLA classes run decompressed through the
+#: attention), with the rotary helper their module applies: DeepSeek-V3's takes (cos, sin),
+#: DeepSeek-V2's a complex ``freqs_cis``. Other MLA classes run decompressed through the
 #: attention interface.
-_LATENT_ATTENTION_CLASSES = ("DeepseekV3Attention",)
+_LATENT_ATTENTION_CLASSES = {"DeepseekV3Attention": "apply_rotary_pos_emb", "DeepseekV2Attention": "apply_rotary_emb"}
 
 
 def _latent_attention(module: nn.Module, spec: dict[str, Any]) -> fullcg.MLAAttention | None:
@@ -535,7 +536,7 @@ def _latent_attention(module: nn.Module, spec: dict[str, Any]) -> fullcg.MLAAtte
             or hasattr(kv_b, "weight_scale_inv"):
         return None
     helpers = sys.modules.get(type(module).__module__)
-    if helpers is None or not hasattr(helpers, "apply_rotary_pos_emb"):
+    if helpers is None or not hasattr(helpers, _LATENT_ATTENTION_CLASSES[type(module).__name__]):
         return None
     mla = fullcg.MLAAttention(
         module.num_heads, module.kv_lora_rank, module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim,
@@ -545,11 +546,22 @@ def _latent_attention(module: nn.Module, spec: dict[str, Any]) -> fullcg.MLAAtte
     return mla
 
 
-def _latent_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+def _rotate_pairs(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2's rotary embedding, token-major: ``x [1, T, heads, D]`` as ``D / 2``
+    complex pairs times ``freqs_cis [1, T, D / 2]``, in real arithmetic (what HF's
+    ``apply_rotary_emb`` computes through complex tensors, which Inductor does not take)."""
+    cos_sin = torch.view_as_real(freqs_cis).unsqueeze(2)  # [1, T, 1, D / 2, 2]
+    cos, sin = cos_sin[..., 0], cos_sin[..., 1]
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    return torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(-2).type_as(x)
+
+
+def _latent_forward(self: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
                     attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """DeepSeek-V3 attention with a latent cache: the module's own projections, norm and
-    rotary embedding, then :class:`fullcg.MLAAttention` in the absorbed form (the latent
-    and rope key saved, never the decompressed keys and values)."""
+    """DeepSeek-V2/V3 attention with a latent cache: the module's own projections, norm and
+    rotary embedding, then :class:`fullcg.MLAAttention` (the latent and rope key saved,
+    never the decompressed keys and values)."""
     mla = getattr(self, _CHILD)
     if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
         raise ValueError(
@@ -574,6 +586,10 @@ def _latent_forward(self: nn.Module, hidden_states: torch.Tensor, position_embed
     latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
     latent = self.kv_a_layernorm(latent)
     k_rot = k_rot.view(1, tokens, 1, self.qk_rope_head_dim)
+    if isinstance(position_embeddings, torch.Tensor):  # DeepSeek-V2: complex freqs_cis
+        q_rot, k_rot = _rotate_pairs(q_rot, position_embeddings), _rotate_pairs(k_rot, position_embeddings)
+        out = mla(q_nope[0], q_rot[0], latent[0], k_rot[0, :, 0], self.kv_b_proj.weight)
+        return self.o_proj(out.reshape(1, tokens, -1)), None
     cos, sin = position_embeddings
     if getattr(self.config, "rope_interleave", False):
         q_rot, k_rot = helpers.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
