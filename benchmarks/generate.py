@@ -12,7 +12,18 @@ download), the same prompts for every engine. Engines, side by side:
 - ``hf_continuous``: HF's continuous batching (paged attention, one request per prompt),
   when the installed transformers has it;
 - ``fullcg``: ``fullcg.generate`` on the same model after
-  ``fullcg.integrations.transformers.prepare``.
+  ``fullcg.integrations.transformers.prepare`` (step ``n + 1`` prepared and launched while
+  step ``n`` runs); ``fullcg_sync``: the same with ``overlap=False``.
+
+fullcg rows also carry, from the last timed run, ``steps``, ``host_ms_per_step`` and
+``gpu_idle_fraction`` (:class:`fullcg.GenerateStats`), ``step_replay_ms`` (one decode step
+of one request at the workload's mean context, run through the compiled model with
+nothing else to do: the graph's replay and its dispatch, the lower bound of a batch-1
+step) and a roofline: ``roofline_s`` is the sum over the steps fullcg ran of
+max(bytes moved / copy bandwidth, FLOPs / matmul rate), with the weights read once a step
+and the keys and values of every request's context once, FLOPs those of the weights'
+matmuls per token plus attention's query-key pairs, both rates measured in this process;
+``roofline_ratio`` is ``roofline_s`` over the wall time.
 
 Workloads: ``batch1`` (one 512-token prompt, 256 new tokens) and ``mixed64`` (64 prompts
 of 128-2048 tokens, 128-512 new tokens each, seeded). Generation never stops early (no
@@ -47,7 +58,7 @@ import fullcg
 logger = logging.getLogger("benchmarks.generate")
 
 PAGE_SIZE = 16
-ENGINES = ("hf", "hf_static_compiled", "hf_continuous", "fullcg")
+ENGINES = ("hf", "hf_static_compiled", "hf_continuous", "fullcg", "fullcg_sync")
 
 
 def llama_config(smoke: bool):
@@ -142,9 +153,72 @@ def run_hf_continuous(model, prompts: list[list[int]], new: list[int]) -> list[l
 
 
 def run_fullcg(model, prompts: list[list[int]], new: list[int], *, config: fullcg.FullCGConfig,
-               max_num_tokens: int, max_num_seqs: int) -> list[list[int]]:
-    return fullcg.generate(model, prompts, new, stop_token_ids=(), config=config, max_num_tokens=max_num_tokens,
-                           max_num_seqs=max_num_seqs, progress=False)
+               max_num_tokens: int, max_num_seqs: int, overlap: bool, stats: list) -> list[list[int]]:
+    out, run_stats = fullcg.generate(model, prompts, new, stop_token_ids=(), config=config,
+                                     max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, progress=False,
+                                     overlap=overlap, return_stats=True)
+    stats[:] = [run_stats]
+    return out
+
+
+def machine_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s, read plus written; matmul rate in FLOP/s) of this device."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    m = 8192 if device.type == "cuda" else 256
+    a = torch.randn(m, m, dtype=dtype, device=device)
+    b = torch.randn(m, m, dtype=dtype, device=device)
+
+    def best(fn: Callable[[], object], reps: int = 10) -> float:
+        fn()
+        _sync(device)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return 2 * n / best(lambda: dst.copy_(src)), 2 * m**3 / best(lambda: a @ b)
+
+
+def roofline_seconds(model, stats: fullcg.GenerateStats, bandwidth: float, flop_rate: float) -> float:
+    """Sum over the run's steps of max(bytes / bandwidth, FLOPs / rate) (see the module doc)."""
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    matmul_params = params - cfg.vocab_size * cfg.hidden_size  # the embedding is a lookup
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+    attn_flops_per_pair = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+    total = 0.0
+    for tokens, keys, pairs in stats.step_shapes:
+        moved = weight_bytes + keys * kv_bytes_per_token
+        flops = 2 * matmul_params * tokens + attn_flops_per_pair * pairs
+        total += max(moved / bandwidth, flops / flop_rate)
+    return total
+
+
+def step_replay_ms(model, config: fullcg.FullCGConfig, context: int, device: torch.device, steps: int = 50) -> float:
+    """Milliseconds of one batch-1 decode step at ``context`` through the compiled model
+    ``fullcg.generate`` used (replayed back to back, nothing else between them)."""
+    module, run = model.__dict__["_fullcg_compiled"][config]
+    table = torch.arange(-(-(context + 1) // PAGE_SIZE), dtype=torch.int32)[None]
+    md = fullcg.AttentionMetadata.build([1], [context], table, PAGE_SIZE, device=device)
+    ids = torch.zeros(1, dtype=torch.long, device=device)
+    pos = torch.full((1,), context, dtype=torch.long, device=device)
+    with torch.inference_mode(), fullcg.forward_context(md, module, config=config):
+        for _ in range(3):
+            run(ids, pos)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run(ids, pos)
+        _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def fullcg_config(device: torch.device, args: argparse.Namespace) -> fullcg.FullCGConfig:
@@ -213,14 +287,16 @@ def main(argv: list[str] | None = None) -> int:
         engines.remove("hf_continuous")
     config = fullcg_config(device, args)
     # fullcg runs last: prepare() switches the model's attention to fullcg and allocates its cache.
-    engines.sort(key=lambda e: e == "fullcg")
+    engines.sort(key=lambda e: e.startswith("fullcg"))
+    bandwidth, flop_rate = machine_rates(device, dtype)
 
     results = []
     outputs: dict[tuple[str, str], list[list[int]]] = {}
     record = {
         "command": " ".join(sys.argv), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "dtype": str(dtype), "results": results,
+        "dtype": str(dtype), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+        "matmul_TFLOPs": round(flop_rate / 1e12, 1), "results": results,
     }
 
     def write() -> None:
@@ -228,10 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(record, f, indent=1)
+    prepared = False
     for engine in engines:
-        if engine == "fullcg":
+        if engine.startswith("fullcg") and not prepared:
             from fullcg.integrations import transformers as fhf
 
+            prepared = True
             need = sum(-(-(len(p) + n) // PAGE_SIZE) for prompts, news in loads.values() for p, n in zip(prompts, news))
             fhf.prepare(model, num_pages=need, page_size=PAGE_SIZE)
         for name, (prompts, new) in loads.items():
@@ -242,8 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             elif engine == "hf_continuous":
                 fn = lambda: run_hf_continuous(model, prompts, new)  # noqa: E731
             else:
+                stats: list = []
                 fn = lambda: run_fullcg(model, prompts, new, config=config,  # noqa: E731
-                                        max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs)
+                                        max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
+                                        overlap=engine == "fullcg", stats=stats)
             logger.info("%s on %s: %d prompts", engine, name, len(prompts))
             fullcg.reset_graph_mode_counts()
             with torch.inference_mode() if engine == "fullcg" else contextlib.nullcontext():
@@ -258,7 +338,16 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": (prompt_tokens + new_tokens) / seconds, "output_tokens_per_s": new_tokens / seconds,
                 "ms_per_output_token": 1e3 * seconds / new_tokens,
             }
-            if engine == "fullcg":
+            if engine.startswith("fullcg"):
+                run_stats = stats[0]
+                roofline = roofline_seconds(model, run_stats, bandwidth, flop_rate)
+                context = round(sum(len(p) + n / 2 for p, n in zip(prompts, new)) / len(prompts))
+                row.update(
+                    steps=run_stats.steps, host_ms_per_step=round(run_stats.host_ms_per_step, 4),
+                    gpu_idle_fraction=run_stats.gpu_idle_fraction, overlap=run_stats.overlap,
+                    roofline_s=roofline, roofline_ratio=roofline / seconds,
+                    step_replay_ms=step_replay_ms(model, config, context, device),
+                )
                 row["graph_mode_counts"] = dict(fullcg.graph_mode_counts())
                 row["fullcg_config"] = {"graph_mode": config.graph_mode, "attention_impl": config.attention_impl,
                                         "compiler": config.compiler, "max_num_tokens": args.max_num_tokens,

@@ -39,7 +39,7 @@ from fullcg.telemetry import SkipSoftmaxStats, reset_skip_softmax_stats, skip_so
 from fullcg.calibrate import (
     SkipSoftmaxCalibration, SkipSoftmaxMeasurement, SkipSoftmaxProbe, calibrate_skip_softmax,
 )
-from fullcg.engine import generate
+from fullcg.engine import GenerateStats, generate
 
 __version__ = "0.1.0"
 
@@ -66,6 +66,7 @@ __all__ = [
     "reset_graph_mode_counts",
     "forward_context",
     "generate",
+    "GenerateStats",
     "get_forward_context",
     "merge_attn_states",
     "reset_skip_softmax_stats",

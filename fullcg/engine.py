@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from fullcg.metadata import AttentionMetadata, ForwardMode
 from fullcg.ownership import PageOwnership
 from fullcg.runner import capture
 
-__all__ = ["Request", "Step", "BatchScheduler", "Sampler", "generate"]
+__all__ = ["Request", "Step", "BatchScheduler", "Sampler", "GenerateStats", "generate"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,12 @@ class Request:
     num_cached: int = 0  # tokens whose k/v are in the cache
     pages: list[int] = dataclasses.field(default_factory=list)
     stopped: bool = False  # generated a stop token
+    #: Tokens sampled on the device whose values the host has not read yet (0 or 1), and
+    #: where the newest sits in its step's sampled tokens: a decode step scheduled now
+    #: takes its input token from there, on the device.
+    in_flight: int = 0
+    pending_index: int | None = None
+    retired: bool = False  # finished; tokens still in flight for it are dropped
 
     @property
     def tokens(self) -> list[int]:
@@ -79,10 +86,22 @@ class Step:
     metadata: AttentionMetadata
     requests: list[Request]
     sample_rows: list[int | None]  # row of the logits each request samples from, None mid-prompt
+    #: Decode inputs still on the device: ``input_ids[fill_rows] = previous step's sampled
+    #: tokens[fill_from]`` (None when every input is known on the host).
+    fill_rows: torch.Tensor | None = None
+    fill_from: torch.Tensor | None = None
 
     @property
     def modes(self) -> tuple[ForwardMode, ...]:
         return self.metadata.forward_modes
+
+    def fill_inputs(self, previous_sampled: torch.Tensor | None) -> None:
+        """Put the decode input tokens sampled by the step before (still on the device) in place."""
+        if self.fill_rows is None:
+            return
+        if previous_sampled is None:
+            raise RuntimeError("this step decodes tokens the previous step sampled; pass its sampled tokens")
+        self.input_ids[self.fill_rows] = previous_sampled[self.fill_from]
 
 
 class BatchScheduler:
@@ -200,14 +219,16 @@ class BatchScheduler:
         return req
 
     def next_step(self) -> Step | None:
-        """The next batch of work, or None when every request is done."""
+        """The next batch of work, or None when every request is done, or (with tokens in
+        flight, see :meth:`launched`) when nothing can run before they are recorded."""
         if self.finished:
             return None
         budget = self.max_num_tokens if self.max_num_tokens is not None else math.inf
         plan: list[tuple[Request, int]] = []  # (request, new tokens this step)
-        # Decodes first: one token each keeps every started request moving.
+        # Decodes first: one token each keeps every started request moving. A request whose
+        # tokens in flight already reach max_new_tokens waits for them to be recorded.
         for req in self.running:
-            if not req.in_prompt and budget >= 1:
+            if not req.in_prompt and budget >= 1 and len(req.generated) + req.in_flight < req.max_new_tokens:
                 plan.append((req, 1))
                 budget -= 1
         # Then prompts: requests mid-prompt, then newcomers, in chunks that fit the budget.
@@ -224,6 +245,8 @@ class BatchScheduler:
             plan.append((req, chunk))
             budget -= chunk
         if not plan:
+            if any(req.in_flight for req in self.running):
+                return None  # the tokens in flight decide what comes next
             raise RuntimeError("no request could be scheduled; this is a bug in BatchScheduler")
         # The budget went to decodes first; the batch itself lists requests in the order they joined.
         order = {id(req): i for i, req in enumerate(self.running)}
@@ -234,11 +257,19 @@ class BatchScheduler:
         ids: list[int] = []
         pos: list[int] = []
         q_lens, p_lens, modes, rows = [], [], [], []
+        fill_rows: list[int] = []
+        fill_from: list[int] = []
         for req, n in plan:
             prefix = req.num_cached
             if req.in_prompt:
                 new = req.prompt[prefix : prefix + n]
                 mode = ForwardMode.PREFILL if prefix == 0 else ForwardMode.EXTEND
+            elif req.in_flight:
+                # The input is the token the step in flight samples: filled in on the device.
+                fill_rows.append(len(ids))
+                fill_from.append(req.pending_index)
+                new = [0]
+                mode = ForwardMode.DECODE
             else:
                 new = [req.tokens[-1]]
                 mode = ForwardMode.DECODE
@@ -261,17 +292,47 @@ class BatchScheduler:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         mark_token_dim(input_ids, positions)
-        return Step(input_ids, positions, md, [req for req, _ in plan], rows)
+        step = Step(input_ids, positions, md, [req for req, _ in plan], rows)
+        if fill_rows:
+            step.fill_rows = torch.tensor(fill_rows, dtype=torch.long, device=self.device)
+            step.fill_from = torch.tensor(fill_from, dtype=torch.long, device=self.device)
+        return step
 
     def advance(self, step: Step, tokens: Sequence[int | None]) -> list[Request]:
-        """Record that ``step`` ran and what it sampled (one entry per request, None mid-prompt).
+        """Record that ``step`` ran and what it sampled (one entry per request, None mid-prompt):
+        :meth:`launched` then :meth:`record`. Returns the requests that finished; their pages
+        are back in the pool."""
+        self.launched(step)
+        return self.record(step, tokens)
 
-        Returns the requests that finished; their pages are back in the pool.
+    def launched(self, step: Step) -> None:
+        """``step`` runs: its tokens' k/v are in the cache, and the tokens it samples are in
+        flight until :meth:`record`. The next step can be scheduled before that: a request's
+        next input is then taken from this step's sampled tokens on the device
+        (:meth:`Step.fill_inputs`)."""
+        index = 0
+        for req, q_len, row in zip(step.requests, step.metadata.query_lens, step.sample_rows):
+            req.num_cached += q_len
+            if row is not None:
+                req.in_flight += 1
+                req.pending_index = index
+                index += 1
+
+    def record(self, step: Step, tokens: Sequence[int | None]) -> list[Request]:
+        """The tokens ``step`` sampled (one entry per request, None mid-prompt), read back.
+
+        Returns the requests that finished; their pages are back in the pool. A token
+        sampled for a request that had already finished (a stop token was in flight when
+        the step was scheduled) is dropped.
         """
         finished = []
-        for req, q_len, row, token in zip(step.requests, step.metadata.query_lens, step.sample_rows, tokens):
-            req.num_cached += q_len
+        for req, row, token in zip(step.requests, step.sample_rows, tokens):
             if row is None:
+                continue
+            req.in_flight -= 1
+            if req.in_flight == 0:
+                req.pending_index = None
+            if req.retired:
                 continue
             if token is None:
                 raise ValueError("a request that finished its prompt in this step needs a sampled token")
@@ -280,22 +341,36 @@ class BatchScheduler:
             if req.done:
                 finished.append(req)
         for req in finished:
+            req.retired = True
             self.running.remove(req)
             if self.ownership is not None:
                 self.ownership.release(self._ids[id(req)], req.pages)
-            self._free_pages.extend(req.pages)  # reused by the next requests to join
+            # Reused by the next requests to join; a step still in flight writes into them
+            # first, on the same stream.
+            self._free_pages.extend(req.pages)
             req.pages = []
         return finished
 
+    def sample_keys(self, step: Step) -> torch.Tensor:
+        """``int64 [R, 2]``: (request number, index of the token drawn) of each request that
+        samples in ``step``, in row order, for :class:`Sampler`'s batch-independent draws.
+        Call before :meth:`launched`."""
+        keys = [(self._ids[id(req)], len(req.generated) + req.in_flight)
+                for req, row in zip(step.requests, step.sample_rows) if row is not None]
+        return torch.tensor(keys, dtype=torch.long).view(-1, 2)
+
 
 class Sampler:
-    """Picks each request's next token from its logits row.
+    """Picks each request's next token from its logits row, on the logits' device.
 
     ``temperature == 0`` is greedy (argmax; ``top_k``/``top_p`` are then ignored).
     Otherwise the logits are divided by ``temperature``, cut to the ``top_k`` largest and
-    to the smallest set whose probability reaches ``top_p``, and sampled from with a
-    generator seeded by ``seed`` (None: torch's global generator), so a seed reproduces
-    a run with the same prompts and settings.
+    to the smallest set whose probability reaches ``top_p``, and sampled from (the
+    Gumbel-max trick: the argmax of logits plus Gumbel noise). With a ``seed`` the noise
+    of a row is a function of the seed, the row's key (request number, index of the
+    token drawn; see :meth:`BatchScheduler.sample_keys`) and the token id alone, so a
+    request draws the same tokens whatever it is batched with and whichever step loop
+    runs it; None draws from torch's global generator.
     """
 
     def __init__(
@@ -311,25 +386,20 @@ class Sampler:
             raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
         if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
         self.temperature = float(temperature)
         self.top_k = top_k
         self.top_p = top_p
         self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[device]
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits [R, V]`` -> token ids ``int64 [R]``."""
+    def __call__(self, logits: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits [R, V]`` -> token ids ``int64 [R]``; ``keys`` ``int64 [R, 2]`` name the draws
+        (default: row number, token 0)."""
         logits = logits.float()
         if self.greedy:
             return logits.argmax(dim=-1)
@@ -343,8 +413,36 @@ class Sampler:
             # Drop a token when the more likely ones already reach top_p (the first always stays).
             drop = probs.cumsum(dim=-1) - probs >= self.top_p
             logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-        probs = logits.softmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=self._generator(probs.device)).squeeze(-1)
+        if self.seed is None:
+            uniform = torch.rand(logits.shape, device=logits.device, dtype=torch.float64)
+        else:
+            if keys is None:
+                keys = torch.stack([torch.arange(logits.shape[0]), torch.zeros(logits.shape[0], dtype=torch.long)], 1)
+            uniform = _keyed_uniform(self.seed, keys.to(logits.device), logits.shape[-1])
+        gumbel = -torch.log(-torch.log(uniform))
+        return (logits.double() + gumbel).argmax(dim=-1)
+
+
+#: splitmix64's constants as signed int64 (torch multiplies int64 with wraparound).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser (logical shifts emulated on signed int64)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def _keyed_uniform(seed: int, keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``float64 [R, vocab]`` in (0, 1): a hash of (seed, key, token id), the same on every device."""
+    row = _mix(_mix(keys[:, 0] * _GOLDEN + (seed & ((1 << 62) - 1))) + keys[:, 1] * _GOLDEN)
+    x = _mix(row[:, None] + torch.arange(1, vocab + 1, device=keys.device, dtype=torch.long)[None, :] * _GOLDEN)
+    return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / float(1 << 53)
 
 
 def _step_module(model: nn.Module) -> nn.Module:
@@ -397,6 +495,46 @@ def mark_token_dim(*tensors: torch.Tensor) -> None:
             dynamo.mark_dynamic(t, 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerateStats:
+    """What a :func:`generate` run did and where its time went.
+
+    Attributes:
+        steps: model calls.
+        tokens: tokens returned (the prompts excluded).
+        wall_s: the step loop's wall time (first compile and capture excluded).
+        host_ms_per_step: host time per step that was not spent waiting for the GPU
+            (scheduling, metadata, the forward's Python, launches).
+        gpu_idle_fraction: on CUDA, the fraction of the span from the first step's GPU
+            work to the last's in which the GPU ran no step (it waited for the host); None
+            on the CPU.
+        overlap: whether step ``n + 1`` was prepared while step ``n`` ran.
+        step_shapes: per step, (new tokens, keys in the cache it reads: each request's
+            prefix plus new tokens, query-key pairs it attends: each request's new tokens
+            times its prefix plus half its new tokens), what a roofline of the run needs
+            (``benchmarks/generate.py``).
+    """
+
+    steps: int
+    tokens: int
+    wall_s: float
+    host_ms_per_step: float
+    gpu_idle_fraction: float | None
+    overlap: bool
+    step_shapes: tuple[tuple[int, int, float], ...] = ()
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step whose sampled tokens are on their way to the host."""
+
+    step: Step
+    sampled: torch.Tensor | None  # on the device, in sample-row order
+    host: torch.Tensor | None  # the host copy (pinned on CUDA), valid once ``ready`` is done
+    ready: torch.cuda.Event | None
+    span: tuple[torch.cuda.Event, torch.cuda.Event] | None  # the step's GPU work, for stats
+
+
 def generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -413,7 +551,9 @@ def generate(
     compile: bool = True,
     config: FullCGConfig | None = None,
     progress: bool = True,
-) -> list[list[int]]:
+    overlap: bool = True,
+    return_stats: bool = False,
+) -> list[list[int]] | tuple[list[list[int]], GenerateStats]:
     """Generate tokens for ``prompts`` with continuous batching; returns the new ids per prompt, in order.
 
     Args:
@@ -435,6 +575,12 @@ def generate(
         config: the fullcg config (graph mode, compiler, attention implementation);
             default :meth:`fullcg.FullCGConfig.from_env`.
         progress: show a progress bar over finished requests.
+        overlap: schedule and launch step ``n + 1`` before reading step ``n``'s sampled
+            tokens back (its decode inputs are taken from them on the device), so the GPU
+            does not wait for the host between steps. Stop tokens and ``max_new_tokens``
+            are then seen one step late: a request that stops may compute one more token,
+            which is never returned. Outputs equal ``overlap=False``'s.
+        return_stats: also return a :class:`GenerateStats` (logged at INFO either way).
 
     The output excludes the prompt. A request stopped by a stop token is shorter than
     ``max_new_tokens``. Greedy output is what the model's own greedy decoding gives.
@@ -448,6 +594,8 @@ def generate(
             "(e.g. model.allocate_kv_cache(num_pages, page_size)) or, for a transformers model, call "
             "fullcg.integrations.transformers.prepare(model, num_pages=..., page_size=...)"
         )
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
     cache = layers[0].kv_cache
     if compile:
         module, run, new = _compiled_step(model, config)
@@ -462,26 +610,99 @@ def generate(
         stop_token_ids=stop_token_ids, device=cache.k.device,
     )
     bar = progress_bar(len(sched.requests), "fullcg.generate", "requests") if progress else None
-    generated = 0
+    cuda = cache.k.device.type == "cuda"
+    generated = steps = 0
+    waited = 0.0  # host seconds spent waiting for the GPU
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    shapes: list[tuple[int, int, float]] = []
+
+    def read_back(done: _Launched) -> None:
+        nonlocal generated, waited
+        tokens: list[int | None] = [None] * len(done.step.requests)
+        if done.sampled is not None:
+            t0 = time.perf_counter()
+            if done.ready is not None:
+                done.ready.synchronize()
+            picked = done.host.tolist()
+            waited += time.perf_counter() - t0
+            it = iter(picked)
+            tokens = [next(it) if r is not None else None for r in done.step.sample_rows]
+            generated += len(picked)
+        finished = len(sched.record(done.step, tokens))
+        if bar is not None and finished:
+            bar(finished, tokens=generated)
+
     with torch.inference_mode():
-        if new and cache.k.device.type == "cuda":
+        if new and cuda:
             _first_step(run, module, cache, config)
-        while (step := sched.next_step()) is not None:
+        started = time.perf_counter()
+        pending: _Launched | None = None
+        while True:
+            step = sched.next_step()
+            if step is None:
+                if pending is None:
+                    break
+                read_back(pending)
+                pending = None
+                continue
+            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+            if span is not None:
+                span[0].record()
+            step.fill_inputs(pending.sampled if pending is not None else None)
+            rows = [r for r in step.sample_rows if r is not None]
+            keys = sched.sample_keys(step) if rows and not sampler.greedy else None
             with forward_context(step.metadata, module, config=config):
                 logits = run(step.input_ids, step.positions)
-            rows = [r for r in step.sample_rows if r is not None]
-            tokens: list[int | None] = [None] * len(step.requests)
+            sampled = host = ready = None
             if rows:
-                picked = sampler(logits[torch.tensor(rows, device=logits.device)]).tolist()
-                it = iter(picked)
-                tokens = [next(it) if r is not None else None for r in step.sample_rows]
-                generated += len(rows)
-            finished = len(sched.advance(step, tokens))
-            if bar is not None and finished:
-                bar(finished, tokens=generated)
+                sampled = sampler(logits[torch.tensor(rows, device=logits.device)], keys)
+                if cuda:
+                    host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+                    host.copy_(sampled, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record()
+                else:
+                    host = sampled
+            if span is not None:
+                span[1].record()
+                spans.append(span)
+            md = step.metadata
+            shapes.append((md.num_tokens, sum(md.query_lens) + sum(md.prefix_lens),
+                           sum(q * (p + (q + 1) / 2) for q, p in zip(md.query_lens, md.prefix_lens))))
+            sched.launched(step)
+            steps += 1
+            launched = _Launched(step, sampled, host, ready, span)
+            if pending is not None:
+                read_back(pending)  # step n - 1's tokens, while step n runs
+            pending = launched
+            if not overlap:
+                read_back(pending)
+                pending = None
+        if cuda:
+            t0 = time.perf_counter()
+            torch.cuda.synchronize(cache.k.device)
+            waited += time.perf_counter() - t0
+        wall = time.perf_counter() - started
     if bar is not None:
         bar(0, done=True)
-    return [req.generated for req in sched.requests]
+    stats = GenerateStats(
+        steps=steps, tokens=generated, wall_s=wall,
+        host_ms_per_step=(wall - waited) * 1e3 / max(steps, 1),
+        gpu_idle_fraction=_idle_fraction(spans) if spans else None, overlap=overlap, step_shapes=tuple(shapes),
+    )
+    logger.info("fullcg.generate: %d steps, %d tokens in %.3f s; host %.3f ms a step; GPU idle %s; overlap %s",
+                stats.steps, stats.tokens, stats.wall_s, stats.host_ms_per_step,
+                "n/a" if stats.gpu_idle_fraction is None else f"{stats.gpu_idle_fraction:.1%}", overlap)
+    outputs = [req.generated for req in sched.requests]
+    return (outputs, stats) if return_stats else outputs
+
+
+def _idle_fraction(spans: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+    """The share of the first span's start to the last span's end in which no span ran (the
+    events were recorded on one stream, so spans follow one another)."""
+    total = spans[0][0].elapsed_time(spans[-1][1])
+    busy = sum(start.elapsed_time(end) for start, end in spans)
+    return max(0.0, 1.0 - busy / total) if total > 0 else 0.0
 
 
 def _first_step(run: Callable[..., Any], module: nn.Module, cache: Any, config: FullCGConfig) -> None:
