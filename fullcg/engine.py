@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +33,7 @@ from fullcg.backend import compile as compile_model
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import forward_context
 from fullcg.frontend import progress_bar
+from fullcg.host_copy import upload
 from fullcg.layer import Attention
 from fullcg.metadata import AttentionMetadata, ForwardMode
 from fullcg.ownership import PageOwnership
@@ -289,13 +291,15 @@ class BatchScheduler:
         )
         if self.ownership is not None:
             self.ownership.check(md, [self._ids[id(req)] for req, _ in plan])
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        # Copies that never make the host wait for the GPU (see host_copy). The model's two
+        # inputs get a buffer each: inputs sharing one would make Dynamo guard on the aliasing.
+        input_ids = upload([np.array(ids, dtype=np.int64)], self.device)[0]
+        positions = upload([np.array(pos, dtype=np.int64)], self.device)[0]
         mark_token_dim(input_ids, positions)
         step = Step(input_ids, positions, md, [req for req, _ in plan], rows)
         if fill_rows:
-            step.fill_rows = torch.tensor(fill_rows, dtype=torch.long, device=self.device)
-            step.fill_from = torch.tensor(fill_from, dtype=torch.long, device=self.device)
+            step.fill_rows, step.fill_from = upload(
+                [np.array(fill_rows, dtype=np.int64), np.array(fill_from, dtype=np.int64)], self.device)
         return step
 
     def advance(self, step: Step, tokens: Sequence[int | None]) -> list[Request]:
@@ -650,12 +654,18 @@ def generate(
                 span[0].record()
             step.fill_inputs(pending.sampled if pending is not None else None)
             rows = [r for r in step.sample_rows if r is not None]
-            keys = sched.sample_keys(step) if rows and not sampler.greedy else None
+            picks = keys = None
+            if rows:  # sent before the forward: copies that never wait for the GPU
+                host_rows = [np.array(rows, dtype=np.int64)]
+                if not sampler.greedy:
+                    host_rows.append(sched.sample_keys(step).numpy())
+                picks, *rest = upload(host_rows, cache.k.device)
+                keys = rest[0] if rest else None
             with forward_context(step.metadata, module, config=config):
                 logits = run(step.input_ids, step.positions)
             sampled = host = ready = None
             if rows:
-                sampled = sampler(logits[torch.tensor(rows, device=logits.device)], keys)
+                sampled = sampler(logits[picks], keys)
                 if cuda:
                     host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
                     host.copy_(sampled, non_blocking=True)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from fullcg.errors import InvalidBatchError, MetadataChangedError, PageConflictError, PageOutOfRangeError
+from fullcg.host_copy import upload
 
 __all__ = ["ForwardMode", "PrefixChunk", "AttentionMetadata"]
 
@@ -326,7 +327,7 @@ def _prefix_chunks(p: np.ndarray, prefix_chunk_tokens: int, dev: torch.device) -
     offsets = np.zeros((num_chunks, p.shape[0] + 1), dtype=np.int64)
     np.cumsum(lens, axis=1, out=offsets[:, 1:])
     # One copy to the device for every chunk; unbind makes the per-chunk views in one call.
-    kv_start = torch.from_numpy(offsets.astype(np.int32)).to(dev).unbind(0)
+    kv_start = upload([offsets.astype(np.int32)], dev)[0].unbind(0)
     num_reqs = p.shape[0]
     return tuple(
         PrefixChunk((c * per_req,) * num_reqs, lens_c, offsets_c, kv_c)
@@ -641,15 +642,17 @@ class AttentionMetadata:
             num_chunks = _chunk_layout(num_reqs, longest - 1, prefix_chunk_tokens)[0]
         else:
             num_chunks = _chunk_shape(p, prefix_chunk_tokens)[0]
+        # The six host-built vectors (and the page table, unless it is already there) reach
+        # the device in one copy that never makes the host wait for the GPU.
+        host = [slots, starts.astype(np.int32), seq.astype(np.int32), p.astype(np.int32), is_decode,
+                np.array([num_tokens], dtype=np.int32)]
+        table_there = page_table.device == dev and page_table.dtype == torch.int32
+        if not table_there:
+            host.append(page_table.cpu().numpy().astype(np.int32, copy=False))
+        tensors = upload(host, dev)
+        table = page_table if table_there else tensors[6]
         return cls._from_checked(
-            q_lens, p_lens, modes, page_size,
-            page_table.to(device=dev, dtype=torch.int32),
-            torch.from_numpy(slots).to(dev),
-            torch.from_numpy(starts.astype(np.int32)).to(dev),
-            torch.from_numpy(seq.astype(np.int32)).to(dev),
-            torch.from_numpy(p.astype(np.int32)).to(dev),
-            torch.from_numpy(is_decode).to(dev),
-            torch.from_numpy(np.array([num_tokens], dtype=np.int32)).to(dev),
+            q_lens, p_lens, modes, page_size, table, *tensors[:6],
             prefix_chunk_tokens,
             num_tokens, all_decode, some_decode, width, num_chunks,
             # A decode batch's flags and starts cost next to nothing now; others', on first read.
