@@ -134,6 +134,10 @@ class DirectDispatch:
             return
         for pos, _ in user_slots:
             template[pos] = None  # not kept alive: filled in by every step
+        if self._kv_caches is not None and ctx.kv_caches is not self._kv_caches and ctx.kv_caches != self._kv_caches:
+            # The model's caches changed (a layer got a new cache): the routes learned so far
+            # hold graphs made for the old ones, which must never run on the new map.
+            self._routes.clear()
         self._signature = signature
         self._kv_caches = ctx.kv_caches
         facts = context.static_facts()

@@ -120,3 +120,23 @@ def test_a_graph_reading_per_layer_skip_factors_is_learned_and_a_new_factor_goes
         with fullcg.forward_context(md, model, config=other):
             compiled(ids, pos)
         assert dynamo.calls == 2, "another layer factor: another graph"
+
+
+def test_after_a_cache_is_replaced_only_routes_learned_on_the_new_caches_are_taken():
+    # The graphs learned before a layer got a new cache hold the old cache's identity: a step
+    # on the new caches that the new graph does not admit must go to Dynamo, not to them.
+    model, _, compiled, dynamo = _compiled()
+    with torch.inference_mode():
+        md, ids, pos = _step([2], [0])
+        with fullcg.forward_context(md, model):
+            compiled(ids, pos)
+        model.allocate_kv_cache(64, 4)  # new caches for every layer
+        md, ids, pos = _step([2], [0])
+        with fullcg.forward_context(md, model):
+            compiled(ids, pos)
+        assert dynamo.calls == 2
+        compiled.backend.runners[-1].stager.admits = lambda n: n != 1  # the new graph: not one token
+        md, ids, pos = _step([1], [2])
+        with fullcg.forward_context(md, model):
+            compiled(ids, pos)
+        assert dynamo.calls == 3, "the old caches' graph admits one token but must not take the step"
