@@ -392,3 +392,15 @@ def test_deepseek_in_mha_form_for_prompt_steps_equals_hf_every_step(compiled, ar
     assert worst < TOLERANCE
     assert {"extend", "prefill"} <= kinds[1]
     assert gathered, "an extend step read its cached prefix chunk by chunk"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_a_prepared_deepseek_model_pickles_and_its_copy_runs_on_its_own_cache(arch):
+    import pickle
+
+    ref, model, step_module = build_pair(arch)
+    copy_module = pickle.loads(pickle.dumps(step_module))
+    worst, _ = run_steps(ref, copy_module, copy_module)
+    assert worst < TOLERANCE
+    for original, copied in zip(fhf.attention_layers(model), fhf.attention_layers(copy_module.model)):
+        assert copied.kv_cache.k.data_ptr() != original.kv_cache.k.data_ptr()

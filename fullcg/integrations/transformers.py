@@ -28,6 +28,7 @@ padding does not look; :class:`PackedCausalLM` puts it first, so steps are captu
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
@@ -542,7 +543,9 @@ def _latent_attention(module: nn.Module, spec: dict[str, Any]) -> fullcg.MLAAtte
         module.num_heads, module.kv_lora_rank, module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim,
         layer_id=spec["layer_id"], scale=float(module.scaling),
     )
-    module.forward = _latent_forward.__get__(module)  # an instance attribute: this module only
+    # An instance attribute (this module only); a partial of a module-level function, so the
+    # prepared model still pickles and deep-copies (a copy calls its own module).
+    module.forward = functools.partial(_latent_forward, module)
     return mla
 
 
