@@ -141,12 +141,12 @@ def test_an_implementation_that_reads_v_as_contiguous_refuses_a_latent_cache():
 
 # The MHA form: two requests (24 and 16 tokens); (query_lens, prefix_lens, requests,
 # prefix_chunk_tokens) per step. Steps without decode run in MHA form under
-# mla_mha_min_tokens=1, with 4, 7 and 7 prefix chunks; the decode step runs absorbed.
+# mla_mha_min_tokens=1, with 4, 14 and 7 prefix chunks; the decode step runs absorbed.
 MHA_LENGTHS = {0: 24, 1: 16}
 MHA_STEPS = [
     ([8, 6], [0, 0], [0, 1], 4096),
     ([6, 4], [8, 6], [0, 1], 2),
-    ([5], [14], [0], 2),
+    ([5], [14], [0], 1),
     ([1, 1], [19, 10], [0, 1], 4096),
     ([4], [20], [0], 3),
 ]
@@ -258,5 +258,5 @@ def test_compiled_mha_form_has_one_graph_for_every_prefix_chunk_count(compiler, 
                 out = run(parts["q_nope"], parts["q_pe"], parts["latent"], parts["k_pe"])
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     if compiler != "none":
-        # One graph in MHA form (0, 8 and 7 prefix chunks alike), one absorbed (the decode step).
+        # One graph in MHA form (0, 4, 14 and 7 prefix chunks alike), one absorbed (the decode step).
         assert len(run.runners) == 2
