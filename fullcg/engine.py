@@ -54,8 +54,9 @@ class Request:
     num_cached: int = 0  # tokens whose k/v are in the cache
     pages: list[int] = dataclasses.field(default_factory=list)
     stopped: bool = False  # generated a stop token
-    #: Tokens sampled on the device whose values the host has not read yet (0 or 1), and
-    #: where the newest sits in its step's sampled tokens: a decode step scheduled now
+    #: Tokens sampled on the device whose values the host has not read yet (at most one
+    #: step's, two for the moment between launching a step and recording the one before),
+    #: and where the newest sits in its step's sampled tokens: a decode step scheduled now
     #: takes its input token from there, on the device.
     in_flight: int = 0
     pending_index: int | None = None
@@ -329,6 +330,12 @@ class BatchScheduler:
         sampled for a request that had already finished (a stop token was in flight when
         the step was scheduled) is dropped.
         """
+        if len(tokens) != len(step.requests) or any(
+                token is None for row, token in zip(step.sample_rows, tokens) if row is not None):
+            raise ValueError(
+                f"record needs one token per request of the step ({len(step.requests)}, None only for requests "
+                f"mid-prompt), got {list(tokens)}"
+            )
         finished = []
         for req, row, token in zip(step.requests, step.sample_rows, tokens):
             if row is None:
@@ -338,8 +345,6 @@ class BatchScheduler:
                 req.pending_index = None
             if req.retired:
                 continue
-            if token is None:
-                raise ValueError("a request that finished its prompt in this step needs a sampled token")
             req.generated.append(int(token))
             req.stopped = int(token) in self.stop_token_ids
             if req.done:
@@ -390,12 +395,13 @@ class Sampler:
             raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
         if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1] or be None, got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit integer or None, got {seed!r}")
         self.temperature = float(temperature)
         self.top_k = top_k
         self.top_p = top_p
         self.seed = seed
+        self._calls = 0  # draws without keys: (row, call number), so successive calls differ
 
     @property
     def greedy(self) -> bool:
@@ -403,7 +409,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         """``logits [R, V]`` -> token ids ``int64 [R]``; ``keys`` ``int64 [R, 2]`` name the draws
-        (default: row number, token 0)."""
+        (default: the row number and how many keyless calls came before)."""
         logits = logits.float()
         if self.greedy:
             return logits.argmax(dim=-1)
@@ -421,7 +427,9 @@ class Sampler:
             uniform = torch.rand(logits.shape, device=logits.device, dtype=torch.float64)
         else:
             if keys is None:
-                keys = torch.stack([torch.arange(logits.shape[0]), torch.zeros(logits.shape[0], dtype=torch.long)], 1)
+                keys = torch.stack([torch.arange(logits.shape[0]),
+                                    torch.full((logits.shape[0],), self._calls, dtype=torch.long)], 1)
+                self._calls += 1
             uniform = _keyed_uniform(self.seed, keys.to(logits.device), logits.shape[-1])
         gumbel = -torch.log(-torch.log(uniform))
         return (logits.double() + gumbel).argmax(dim=-1)
@@ -443,10 +451,11 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _keyed_uniform(seed: int, keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``float64 [R, vocab]`` in (0, 1): a hash of (seed, key, token id), the same on every device."""
-    row = _mix(_mix(keys[:, 0] * _GOLDEN + (seed & ((1 << 62) - 1))) + keys[:, 1] * _GOLDEN)
+    """``float64 [R, vocab]`` strictly inside (0, 1): a hash of (seed, key, token id), the
+    same on every device. 52 bits plus a half: exact in float64, never 0 or 1."""
+    row = _mix(_mix(keys[:, 0] * _GOLDEN + seed) + keys[:, 1] * _GOLDEN)
     x = _mix(row[:, None] + torch.arange(1, vocab + 1, device=keys.device, dtype=torch.long)[None, :] * _GOLDEN)
-    return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / float(1 << 53)
+    return (((x >> 12) & ((1 << 52) - 1)).double() + 0.5) / float(1 << 52)
 
 
 def _step_module(model: nn.Module) -> nn.Module:
@@ -583,7 +592,9 @@ def generate(
             tokens back (its decode inputs are taken from them on the device), so the GPU
             does not wait for the host between steps. Stop tokens and ``max_new_tokens``
             are then seen one step late: a request that stops may compute one more token,
-            which is never returned. Outputs equal ``overlap=False``'s.
+            which is never returned. Outputs equal ``overlap=False``'s wherever the model's
+            numerics do not depend on the batch (the two loops may batch requests differently:
+            a finishing request holds its slot and pages one step longer).
         return_stats: also return a :class:`GenerateStats` (logged at INFO either way).
 
     The output excludes the prompt. A request stopped by a stop token is shorter than
@@ -631,7 +642,9 @@ def generate(
             waited += time.perf_counter() - t0
             it = iter(picked)
             tokens = [next(it) if r is not None else None for r in done.step.sample_rows]
-            generated += len(picked)
+            # Tokens of requests that stopped while this step was in flight are dropped.
+            generated += sum(1 for req, r in zip(done.step.requests, done.step.sample_rows)
+                             if r is not None and not req.retired)
         finished = len(sched.record(done.step, tokens))
         if bar is not None and finished:
             bar(finished, tokens=generated)

@@ -18,8 +18,9 @@ import torch
 
 __all__ = ["upload", "pack", "unpack"]
 
-#: Segment alignment in the packed buffer: every dtype's view starts on its own boundary.
-_ALIGN = 8
+#: Segment alignment in the packed buffer: every view starts on a 16-byte boundary, as a
+#: separate allocation would (kernels specialise on 16-byte alignment of their pointers).
+_ALIGN = 16
 
 _DTYPES = {
     np.dtype(np.int64): torch.int64,
@@ -39,13 +40,13 @@ def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Ten
     until the copy has read it): the host never waits for the GPU here.
     """
     if device.type == "cpu":
-        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        return [torch.from_numpy(np.ascontiguousarray(a).reshape(a.shape)) for a in arrays]
     host, offsets = pack(arrays, pinned=device.type == "cuda")
     return unpack(host.to(device, non_blocking=True), arrays, offsets)
 
 
 def pack(arrays: Sequence[np.ndarray], *, pinned: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """One ``uint8`` host buffer holding ``arrays`` back to back (each on an 8-byte
+    """One ``uint8`` host buffer holding ``arrays`` back to back (each on a 16-byte
     boundary), and where each starts."""
     offsets = []
     total = 0

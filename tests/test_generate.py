@@ -289,3 +289,45 @@ def test_generate_reports_steps_tokens_and_host_time():
     assert stats.gpu_idle_fraction is None and stats.overlap  # CPU: no GPU to be idle
     with pytest.raises(TypeError, match="overlap must be True or False"):
         fullcg.generate(model, PROMPTS, 3, compile=False, progress=False, overlap="yes")
+
+
+def test_stats_count_only_the_tokens_returned_when_a_stop_is_seen_late():
+    model = _llama()
+    full = fullcg.generate(model, MANY, 6, compile=False, progress=False)
+    stop = full[1][1]
+    out, stats = fullcg.generate(model, MANY, 6, compile=False, progress=False, stop_token_ids=[stop],
+                                 return_stats=True)
+    assert stats.tokens == sum(len(o) for o in out)
+
+
+def test_record_refuses_a_token_list_that_does_not_fit_the_step_before_changing_anything():
+    sched = BatchScheduler([[1, 2], [3]], 3, num_pages=8, page_size=4)
+    step = sched.next_step()
+    sched.launched(step)
+    with pytest.raises(ValueError, match="one token per request"):
+        sched.record(step, [5])
+    with pytest.raises(ValueError, match="one token per request"):
+        sched.record(step, [5, None])
+    assert [r.in_flight for r in sched.requests] == [1, 1]
+    sched.record(step, [5, 6])
+    assert [r.generated for r in sched.requests] == [[5], [6]]
+
+
+def test_a_seeded_sampler_without_keys_draws_anew_each_call_and_seeds_must_fit_64_bits():
+    logits = torch.zeros(4, 1000)
+    sampler = Sampler(temperature=1.0, seed=5)
+    draws = [sampler(logits).tolist() for _ in range(3)]
+    assert draws[0] != draws[1] != draws[2]
+    assert Sampler(temperature=1.0, seed=5)(logits).tolist() == draws[0]  # reproducible from the seed
+    with pytest.raises(ValueError, match="64-bit"):
+        Sampler(temperature=1.0, seed=2**64)
+
+
+def test_keyed_noise_lies_strictly_inside_zero_and_one():
+    from fullcg.engine import _keyed_uniform
+
+    keys = torch.stack([torch.arange(64), torch.arange(64) * 3], 1)
+    for seed in (0, -1, 2**63 - 1, -(2**63)):
+        u = _keyed_uniform(seed, keys, 4096)
+        assert (u > 0).all() and (u < 1).all()
+        assert abs(u.mean().item() - 0.5) < 0.01
