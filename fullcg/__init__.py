@@ -13,6 +13,8 @@ The public surface:
 - :func:`skip_softmax_stats`, :func:`reset_skip_softmax_stats`: skip-softmax counters;
 - :func:`calibrate_skip_softmax`, :class:`SkipSoftmaxProbe`: skip-softmax factors measured
   on a model and text, and chosen for a target;
+- :class:`TensorParallel`: the tensor-parallel group a model is sharded over (with the
+  ``fullcg::all_reduce`` op and the parallel linears in :mod:`fullcg.distributed`);
 - :class:`PageOwnership`: a cross-step guard on which request owns each KV-cache page;
 - :mod:`fullcg.errors`: the exception types fullcg raises on bad input;
 - :func:`capture`: capture CUDA graphs for every capture size up front;
@@ -32,6 +34,7 @@ from fullcg.kv_cache import KVCache
 from fullcg.layer import Attention
 from fullcg.mla import MLAAttention
 from fullcg.ownership import PageOwnership
+from fullcg.distributed import TensorParallel
 from fullcg import errors
 from fullcg.ops import merge_attn_states
 from fullcg.runner import capture, graph_mode_counts, reset_graph_mode_counts
@@ -54,6 +57,7 @@ __all__ = [
     "FullCGConfig",
     "KVCache",
     "PageOwnership",
+    "TensorParallel",
     "errors",
     "SkipSoftmaxConfig",
     "SkipSoftmaxStats",

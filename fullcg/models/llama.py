@@ -6,6 +6,15 @@ go from ``tiny`` (CPU tests) to ``llama3_8b`` (the shape of Llama-3-8B, for GPU
 benchmarks). With ``chunked_prefix=True`` attention uses the chunked-prefix pattern:
 the new tokens attend over themselves with LSE, then each chunk of the cached prefix is
 attended separately and merged in exactly by LSE (``Attention.merge_prefix_chunks``).
+
+Tensor parallelism: ``LlamaModel(cfg, tp=TensorParallel(group))`` shards the model over a
+``torch.distributed`` group (:mod:`fullcg.distributed`): q/k/v column-parallel by heads
+(KV heads replicated when there are fewer than ranks), ``o_proj`` row-parallel, the MLP's
+gate/up column-parallel and ``down_proj`` row-parallel; the embedding, norms and
+``lm_head`` are replicated, so every rank returns the full logits. Each rank's
+``fullcg.Attention`` has its local head counts (its KV cache holds its heads only); every
+rank runs the same steps with the same metadata. Without ``tp`` (or at size 1) the model is
+the plain single-device one, with ``nn.Linear`` layers.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import torch
 from torch import nn
 
 import fullcg
+from fullcg.distributed import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TensorParallel
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -110,25 +120,40 @@ def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def _parallel(tp: TensorParallel | None) -> TensorParallel | None:
+    """``tp`` if it shards anything (size > 1), else None: the single-device model."""
+    return tp if tp is not None and tp.size > 1 else None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_id: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        tp = _parallel(tp)
+        q_size = cfg.num_heads * cfg.head_dim
+        if tp is None:
+            self.num_heads, self.num_kv_heads, self.head_start = cfg.num_heads, cfg.num_kv_heads, 0
+            self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * cfg.num_kv_heads * cfg.head_dim, bias=False)
+            self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        else:
+            qkv = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp=tp)
+            self.num_heads, self.num_kv_heads, self.head_start = qkv.num_heads, qkv.num_kv_heads, qkv.head_start
+            self.qkv_proj = qkv
+            self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp=tp)
+        self.q_size = self.num_heads * cfg.head_dim  # this rank's
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        # This rank's heads only: its KV cache holds its KV heads, its sinks its query heads'.
         self.attn = fullcg.Attention(
-            cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, layer_id=layer_id, sliding_window=cfg.layer_window(layer_id),
-            logit_softcap=cfg.logit_softcap, sinks=cfg.attention_sinks,
+            self.num_heads, cfg.head_dim, self.num_kv_heads, layer_id=layer_id,
+            sliding_window=cfg.layer_window(layer_id), logit_softcap=cfg.logit_softcap, sinks=cfg.attention_sinks,
         )
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         # View the contiguous projection as heads first, then split: a view of a split
         # (non-contiguous) slice makes Inductor guard on the token count being > 1.
-        qkv = self.qkv_proj(hidden).view(-1, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+        qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         q = apply_rotary(q, rotary)
         k = apply_rotary(k, rotary)
         if cfg.chunked_prefix:
@@ -146,10 +171,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        tp = _parallel(tp)
+        if tp is None:
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        else:
+            # Gate and up are split section by section, so the local output still chunks into (gate, up).
+            self.gate_up_proj = ColumnParallelLinear(
+                cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], tp=tp)
+            self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -157,12 +189,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_id: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, rotary: Rotary, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden))
@@ -178,6 +210,14 @@ class LlamaModel(nn.Module):
 
     The batch's request structure comes from the forward context, so the same call works
     for prefill, extend, decode and mixed batches.
+
+    ``tp`` (a :class:`fullcg.distributed.TensorParallel` of size > 1) shards the model over
+    its group, as the module doc says; every rank builds it with the same arguments and runs
+    the same steps. The seeded weights are drawn at full size, in the single-device model's
+    order, and each rank keeps its slice, so the sharded model computes what the
+    single-device one does (up to float rounding in the all-reduce). With ``seed=None`` each
+    rank keeps torch's default initialisation, which differs between ranks: load weights
+    afterwards (``load_full`` of the parallel linears, ``copy_`` of the replicated ones).
     """
 
     def __init__(
@@ -187,11 +227,14 @@ class LlamaModel(nn.Module):
         seed: int | None = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        #: The tensor-parallel group (None: the single-device model).
+        self.tp = _parallel(tp)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
@@ -204,13 +247,29 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
         # Deterministic across devices: drawn on the CPU from one generator, in a fixed order.
+        # A sharded model draws every parameter at its full size and keeps its slice, so
+        # that it holds exactly the single-device model's weights.
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
-            else:
+            elif self.tp is None:
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
+            else:
+                owner_name, _, attr = name.rpartition(".")
+                owner = self.get_submodule(owner_name)
+                if isinstance(owner, (ColumnParallelLinear, RowParallelLinear)):
+                    full = torch.randn(owner.full_shape(attr), generator=g) / owner.full_shape(attr)[-1] ** 0.5
+                    p.copy_(owner.shard(attr, full))
+                elif isinstance(owner, fullcg.Attention) and attr == "sinks":
+                    heads = self.cfg.num_heads
+                    start = self.get_submodule(owner_name.rpartition(".")[0]).head_start
+                    full = torch.randn(heads, generator=g) / heads**0.5
+                    p.copy_(full[start : start + owner.num_heads])
+                else:
+                    fan_in = p.shape[-1]
+                    p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
 
     def attention_layers(self) -> list[fullcg.Attention]:
         return [layer.self_attn.attn for layer in self.layers]
