@@ -124,6 +124,13 @@ class TensorParallel:
             return x
         return torch.ops.fullcg.all_reduce.default(x, self.group_name)
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the group's first rank has it, on every rank, in place (the engine's
+        sampled tokens: every rank then feeds the same tokens back, whatever it sampled)."""
+        if self.size > 1:
+            torch.distributed.broadcast(x, src=torch.distributed.get_global_rank(self.group, 0), group=self.group)
+        return x
+
 
 def tp_size(tp: TensorParallel | None = None) -> int:
     """The tensor-parallel size of ``tp`` (1 for None: no tensor parallelism)."""

@@ -597,6 +597,11 @@ def generate(
             a finishing request holds its slot and pages one step longer).
         return_stats: also return a :class:`GenerateStats` (logged at INFO either way).
 
+    A model sharded for tensor parallelism (its ``tp`` a :class:`fullcg.TensorParallel` of
+    size > 1, as ``LlamaModel(cfg, tp=...)`` has) runs one process per rank, each calling
+    ``generate`` with the same arguments; the group's first rank samples and broadcasts its
+    tokens, so every rank returns the same outputs.
+
     The output excludes the prompt. A request stopped by a stop token is shorter than
     ``max_new_tokens``. Greedy output is what the model's own greedy decoding gives.
     """
@@ -612,6 +617,10 @@ def generate(
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
     cache = layers[0].kv_cache
+    # A model sharded over a tensor-parallel group (every rank runs this same call): the
+    # group's first rank samples and the others take its tokens.
+    tp = getattr(model, "tp", None)
+    tp = tp if getattr(tp, "size", 1) > 1 else None
     if compile:
         module, run, new = _compiled_step(model, config)
     else:
@@ -679,6 +688,8 @@ def generate(
             sampled = host = ready = None
             if rows:
                 sampled = sampler(logits[picks], keys)
+                if tp is not None:
+                    tp.broadcast_from_first(sampled)  # the first rank samples for all
                 if cuda:
                     host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
                     host.copy_(sampled, non_blocking=True)

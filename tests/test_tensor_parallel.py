@@ -186,6 +186,27 @@ def _failing_worker(rank: int, init_file: str, queue: Any, linger: bool) -> None
     queue.put((rank, ("finished the step", time.monotonic() - start)))
 
 
+def _generate_worker(rank: int, init_file: str, queue: Any) -> None:
+    """fullcg.generate on the sharded model, every rank with the same arguments: greedy
+    (against the single-device model) and unseeded sampling (each rank would draw its own
+    tokens; the first rank's are broadcast)."""
+    try:
+        tp = _init(rank, init_file, timeout_s=60)
+        model = LlamaModel(LlamaConfig.tiny(), seed=SEED, tp=tp)
+        model.allocate_kv_cache(num_pages=32, page_size=4)
+        reference = LlamaModel(LlamaConfig.tiny(), seed=SEED)
+        reference.allocate_kv_cache(num_pages=32, page_size=4)
+        kw = dict(max_num_tokens=6, compile=False, progress=False)
+        greedy = fullcg.generate(model, PROMPTS, 4, **kw)
+        expected = fullcg.generate(reference, PROMPTS, 4, **kw)
+        torch.manual_seed(rank)  # a different global generator on every rank
+        sampled = fullcg.generate(model, PROMPTS, 4, temperature=1.0, **kw)
+        queue.put((rank, {"greedy": greedy, "expected": expected, "sampled": sampled}))
+    except Exception:
+        queue.put((rank, {"error": traceback.format_exc()}))
+        raise
+
+
 # --- the parent ---------------------------------------------------------------------------
 
 
@@ -377,3 +398,12 @@ def test_qkv_keeps_the_kv_heads_its_query_heads_use():
 def test_unshardable_shapes_name_the_fix(changes, size, match):
     with pytest.raises(ValueError, match=match):
         LlamaModel(LlamaConfig.tiny(**changes), tp=_FakeRanks(0, size))
+
+
+def test_generate_on_a_sharded_model_equals_one_device_and_every_rank_returns_the_first_ranks_tokens(tmp_path):
+    messages, exitcodes, hung = _run_ranks(_generate_worker, str(tmp_path), 120)
+    assert not hung and sorted(messages) == list(range(WORLD)), (messages, exitcodes)
+    for rank in range(WORLD):
+        assert "error" not in messages[rank], f"rank {rank} raised:\n{messages[rank]['error']}"
+        assert messages[rank]["greedy"] == messages[rank]["expected"]
+    assert messages[0]["sampled"] == messages[1]["sampled"], "the first rank samples for every rank"
