@@ -171,6 +171,13 @@ def test_encoder_decoder_models_are_refused():
         fhf.prepare(transformers.T5ForConditionalGeneration(config), num_pages=8, page_size=4)
 
 
+def test_a_model_sharded_with_transformers_tensor_parallelism_is_refused_naming_the_fix():
+    model = build(next(iter(ARCHITECTURES)))
+    model._tp_size = 2  # what transformers sets after sharding a model with tp_plan
+    with pytest.raises(fhf.UnsupportedModelError, match="fullcg.TensorParallel"):
+        fhf.prepare(model, num_pages=8, page_size=4)
+
+
 # --- fullcg.generate on HF models equals HF's own generate ---
 
 GENERATE_PROMPTS = [[3, 17, 29, 41, 53, 65, 77, 89, 101, 113, 125, 9, 4], [7, 19, 31, 43, 55], [11, 23, 35],

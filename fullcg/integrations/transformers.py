@@ -387,6 +387,15 @@ def _plan(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, Any]]]:
         raise UnsupportedModelError(
             f"fullcg cannot run encoder-decoder models yet ({type(model).__name__}); use a decoder-only causal LM"
         )
+    if (getattr(model, "_tp_size", None) or 1) > 1 or any(
+            type(p).__name__ == "DTensor" for p in model.parameters()):
+        # Not known to work: transformers' tensor parallelism shards through DTensor, whose
+        # redistributions fullcg's split graphs and captured pieces have not been made to hold.
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is sharded with transformers' tensor parallelism (tp_plan, DTensor weights), "
+            "which fullcg does not run; load it unsharded, or build the model on fullcg with "
+            "fullcg.TensorParallel (e.g. fullcg.models.llama.LlamaModel(cfg, tp=fullcg.TensorParallel()))"
+        )
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if _is_alibi(config) or _is_alibi(text_config):
         raise UnsupportedModelError(
