@@ -25,10 +25,14 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from fullcg.diagnostics import log_once
+
+if TYPE_CHECKING:
+    from fullcg.distributed import TensorParallel
 
 __all__ = [
     "SkipSoftmaxStats", "StepCounts", "skip_softmax_stats", "reset_skip_softmax_stats", "counters", "counts_discarded",
@@ -166,11 +170,33 @@ def count_unmeasured(layer_id: int) -> None:
         _unmeasured[layer_id] += 1
 
 
-def skip_softmax_stats() -> dict[int, SkipSoftmaxStats]:
+def skip_softmax_stats(tp: TensorParallel | None = None) -> dict[int, SkipSoftmaxStats]:
     """Counters of every layer that ran skip-softmax attention, summed over devices.
 
     A layer whose calls ran on kernels that count no tiles shows them as
-    ``unmeasured_calls`` (``measured`` is False), never as zero skipped tiles."""
+    ``unmeasured_calls`` (``measured`` is False), never as zero skipped tiles. With ``tp``
+    (a :class:`fullcg.TensorParallel` of size > 1; every rank of its group must call) the
+    counts are also summed over its ranks, each of which attends its own heads."""
+    totals = _local_totals()
+    if tp is not None and tp.size > 1:
+        totals = _summed_over_ranks(totals, tp)
+    return {lid: SkipSoftmaxStats(*vals) for lid, vals in sorted(totals.items())}
+
+
+def _summed_over_ranks(totals: dict[int, list[int]], tp: TensorParallel) -> dict[int, list[int]]:
+    import torch.distributed as dist
+
+    layers: list[list[int]] = [[] for _ in range(tp.size)]
+    dist.all_gather_object(layers, sorted(totals), group=tp.group)
+    union = sorted({lid for ids in layers for lid in ids})
+    device = "cuda" if dist.get_backend(tp.group) == "nccl" else "cpu"
+    counts = torch.tensor([totals.get(lid, [0] * 5) for lid in union], dtype=torch.int64, device=device).view(-1, 5)
+    dist.all_reduce(counts, group=tp.group)
+    return {lid: [int(x) for x in row] for lid, row in zip(union, counts.tolist())}
+
+
+def _local_totals() -> dict[int, list[int]]:
+    """This process's counts per layer: [prefill tiles, skipped, decode tiles, skipped, unmeasured calls]."""
     totals: dict[int, list[int]] = {}
     for (layer_id, _), t in _counters.items():
         vals = t.flatten().tolist()
@@ -180,7 +206,7 @@ def skip_softmax_stats() -> dict[int, SkipSoftmaxStats]:
     with _steps_lock:
         for layer_id, calls in _unmeasured.items():
             totals.setdefault(layer_id, [0, 0, 0, 0, 0])[4] = calls
-    return {lid: SkipSoftmaxStats(*vals) for lid, vals in sorted(totals.items())}
+    return totals
 
 
 @contextlib.contextmanager

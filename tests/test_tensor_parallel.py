@@ -201,7 +201,17 @@ def _generate_worker(rank: int, init_file: str, queue: Any) -> None:
         expected = fullcg.generate(reference, PROMPTS, 4, **kw)
         torch.manual_seed(rank)  # a different global generator on every rank
         sampled = fullcg.generate(model, PROMPTS, 4, temperature=1.0, **kw)
-        queue.put((rank, {"greedy": greedy, "expected": expected, "sampled": sampled}))
+        # Skip-softmax counters: each rank counts its own heads' tiles; summed over the group.
+        fullcg.reset_skip_softmax_stats()
+        skip = fullcg.FullCGConfig(attention_impl="reference", skip_softmax=fullcg.SkipSoftmaxConfig(
+            prefill_scale_factor=2.0, tile_q=2, tile_kv=2))
+        step = Scheduler(PROMPTS, 1, num_pages=32, page_size=4).next_step()
+        with torch.inference_mode(), fullcg.forward_context(step.metadata, model, config=skip):
+            model(step.input_ids, step.positions)
+        local = {lid: dataclasses.astuple(st) for lid, st in fullcg.skip_softmax_stats().items()}
+        summed = {lid: dataclasses.astuple(st) for lid, st in fullcg.skip_softmax_stats(tp).items()}
+        queue.put((rank, {"greedy": greedy, "expected": expected, "sampled": sampled, "local": local,
+                          "summed": summed}))
     except Exception:
         queue.put((rank, {"error": traceback.format_exc()}))
         raise
@@ -400,10 +410,14 @@ def test_unshardable_shapes_name_the_fix(changes, size, match):
         LlamaModel(LlamaConfig.tiny(**changes), tp=_FakeRanks(0, size))
 
 
-def test_generate_on_a_sharded_model_equals_one_device_and_every_rank_returns_the_first_ranks_tokens(tmp_path):
+def test_generate_on_a_sharded_model_equals_one_device_every_rank_returns_the_first_ranks_tokens_and_counts_sum(tmp_path):
     messages, exitcodes, hung = _run_ranks(_generate_worker, str(tmp_path), 120)
     assert not hung and sorted(messages) == list(range(WORLD)), (messages, exitcodes)
     for rank in range(WORLD):
         assert "error" not in messages[rank], f"rank {rank} raised:\n{messages[rank]['error']}"
         assert messages[rank]["greedy"] == messages[rank]["expected"]
     assert messages[0]["sampled"] == messages[1]["sampled"], "the first rank samples for every rank"
+    local = [messages[r]["local"] for r in range(WORLD)]
+    assert local[0] and any(v[0] for v in local[0].values()), "the step counted prefill tiles"
+    expected = {lid: tuple(a + b for a, b in zip(local[0][lid], local[1][lid])) for lid in local[0]}
+    assert messages[0]["summed"] == messages[1]["summed"] == expected, "skip-softmax counts summed over the ranks"
