@@ -5,8 +5,10 @@ LSE merge of two partial attention results.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from fullcg.host_copy import upload
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata, PrefixChunk
 
@@ -92,12 +94,25 @@ def merge_states(
 def gather_prefix_chunk(
     k_out: torch.Tensor, v_out: torch.Tensor, cache: KVCache, md: AttentionMetadata, plan: PrefixChunk
 ) -> None:
-    """Pack chunk ``plan`` of every request's cached prefix into ``k_out``/``v_out``."""
+    """Pack chunk ``plan`` of every request's cached prefix into ``k_out``/``v_out``.
+
+    One gather for all requests: each packed row's slot is looked up through the page
+    table on the device (the page ids were checked when the metadata was built), so
+    nothing waits for the GPU.
+    """
     total = plan.offsets[-1]
-    for r, (start, length) in enumerate(zip(plan.starts, plan.lens)):
-        if length:
-            k_r, v_r = read_kv(cache, md.page_table[r], start, length)
-            k_out[plan.offsets[r] : plan.offsets[r + 1]] = k_r
-            v_out[plan.offsets[r] : plan.offsets[r + 1]] = v_r
+    if total:
+        lens = np.asarray(plan.lens, dtype=np.int64)
+        rows = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+        # Row i of request r holds prefix position starts[r] + (i - offsets[r]).
+        pos = np.arange(total, dtype=np.int64) + np.repeat(
+            np.asarray(plan.starts, dtype=np.int64) - np.asarray(plan.offsets[:-1], dtype=np.int64), lens)
+        rows_t, pos_t = upload([rows, pos], cache.k.device)
+        page_size = cache.page_size
+        slots = md.page_table.to(cache.k.device)[rows_t, pos_t // page_size].long() * page_size + pos_t % page_size
+        flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
+        flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
+        k_out[:total] = flat_k.index_select(0, slots)
+        v_out[:total] = flat_v.index_select(0, slots)
     k_out[total:] = 0
     v_out[total:] = 0
