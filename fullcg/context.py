@@ -178,9 +178,11 @@ def _mla_mha(stack: list[ForwardContext]) -> bool:
     The step's own context decides (the innermost the caller entered, not a runner's
     derived one): Dynamo traces the model there, so both front ends agree.
     """
-    if stack[-1].variant is GraphMode.FULL:
-        return False
-    ctx = next((c for c in reversed(stack) if not c.compiled), stack[-1])
+    ctx = stack[-1]
+    if ctx.compiled:  # a runner's derived context: the step's own decides, unless it is a full graph
+        if ctx.variant is GraphMode.FULL:
+            return False
+        ctx = next((c for c in reversed(stack) if not c.compiled), ctx)
     threshold = ctx.config.mla_mha_min_tokens
     md = ctx.metadata
     if threshold is None or md.has_decode or not md.query_lens:
