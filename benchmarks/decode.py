@@ -67,6 +67,18 @@ def time_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def floor_bytes(model: LlamaModel, batch: int, context: int) -> int:
+    """Bytes a decode step of ``batch`` requests at ``context`` must read at least.
+
+    Every weight but the embedding (a step reads only its tokens' rows of it) and every
+    request's keys and values of ``context + 1`` tokens (its new token's included).
+    """
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    cfg = model.cfg
+    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * model.lm_head.weight.element_size()
+    return weights + batch * (context + 1) * kv_token
+
+
 def captured_full_graph(backend: fullcg.Backend, batch: int):
     """``replay`` of the decode-only full graph a step of ``batch`` tokens ran, if captured."""
     import fullcg.runner
@@ -121,17 +133,15 @@ def main() -> None:
 
     cfg = LlamaConfig.preset(args.model)
     model = LlamaModel(cfg, seed=0, dtype=torch.bfloat16, device=dev).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     max_b, max_ctx = max(args.batches), max(args.contexts)
     num_pages = max_b * math.ceil((max_ctx + 1) / PAGE) + 8
     model.allocate_kv_cache(num_pages, PAGE)
     for layer in model.attention_layers():
         layer.kv_cache.k.normal_()
         layer.kv_cache.v.normal_()
-    kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
 
     def floor_ms(batch: int, context: int) -> float:
-        return (weight_bytes + batch * (context + 1) * kv_token_bytes) / bw * 1e3
+        return floor_bytes(model, batch, context) / bw * 1e3
 
     base = fullcg.FullCGConfig(attention_impl=args.impl, capture_sizes=tuple(args.capture_sizes))
     points = [(b, c) for c in args.contexts for b in args.batches]
