@@ -36,6 +36,7 @@ from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.eager_capture import EagerCaptureModel
 from fullcg.passes import AttributesPass, PassManager, SplitGraph, SplitPointsPass, split_graph
 from fullcg.passes.piece_key import piece_key
+from fullcg.passes.sibling_linears import FuseSiblingLinearsPass
 from fullcg.passes.split import Piece, reads_host_plan
 from fullcg.dispatch import CompiledModel
 from fullcg.runner import InputStager, PieceCall, StepRunner
@@ -388,7 +389,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
 
 def _passes(config: FullCGConfig) -> PassManager:
     """The passes every graph goes through before it is split."""
-    return PassManager([AttributesPass(config.skip_softmax), SplitPointsPass()])
+    return PassManager([FuseSiblingLinearsPass(), AttributesPass(config.skip_softmax), SplitPointsPass()])
 
 
 def _compile_graph(

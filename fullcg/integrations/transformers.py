@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 import fullcg
+from fullcg.integrations.fused_linear import fuse_sibling_projections
 
 try:
     from transformers import AttentionInterface, PreTrainedModel
@@ -490,6 +491,7 @@ def prepare(
     page_size: int,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    fuse_projections: bool = True,
 ) -> PackedCausalLM:
     """Make a transformers causal LM run its attention through fullcg, with a paged KV cache.
 
@@ -500,12 +502,23 @@ def prepare(
     layer gets HF's head counts and sizes, sliding window (``config.layer_types`` first)
     and attention logit soft-cap. Calling it again replaces the caches.
 
+    With ``fuse_projections`` (the default), each layer's query, key and value projections,
+    and its MLP's gate and up projections, are stored as one weight per group
+    (:func:`fullcg.integrations.fused_linear.fuse_sibling_projections`; memory unchanged),
+    so a compiled step runs one matmul per group: the same values, fewer and fuller kernels.
+    The model's ``state_dict`` then holds the fused weights (``...self_attn.qkv_proj.weight``,
+    ``...mlp.gate_up_proj.weight``) in place of the separate ones.
+
     Returns a :class:`PackedCausalLM` over ``model`` (``input_ids [T], positions [T] ->
     logits [T, vocab]``): the module to compile, run steps with, or pass to
     :func:`fullcg.generate`.
     """
     plan = _plan(model)
+    if not isinstance(fuse_projections, bool):
+        raise TypeError(f"fuse_projections must be True or False, got {fuse_projections!r}")
     register()
+    if fuse_projections:
+        fuse_sibling_projections(model)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         logger.info("switching %s from attn_implementation=%r to %r", type(model).__name__,
                     model.config._attn_implementation, ATTN_IMPLEMENTATION)

@@ -1,0 +1,127 @@
+"""Sibling projections of a transformers model laid out as row slices of one weight.
+
+A decoder layer's query, key and value projections read the same input, as do its MLP's
+gate and up projections. Stored as one weight (rows of each projection one after the
+other) and called through :class:`SliceLinear`, each still looks and computes like its
+own ``nn.Linear``, and a compiled graph sees ``linear(x, W[a:b])`` per projection, which
+:class:`fullcg.passes.sibling_linears.FuseSiblingLinearsPass` turns into one matmul per
+group. Memory is unchanged: the original weights are copied into the fused one and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SliceLinear", "fuse_sibling_projections", "SIBLING_GROUPS"]
+
+logger = logging.getLogger(__name__)
+
+#: Sibling projections in transformers' decoder layers (Llama, Mistral, Qwen, Gemma and the
+#: many models that copy their attention and MLP code): attribute names -> the name the fused
+#: linear is registered under, on the same module.
+SIBLING_GROUPS: dict[tuple[str, ...], str] = {("q_proj", "k_proj", "v_proj"): "qkv_proj",
+                                              ("gate_proj", "up_proj"): "gate_up_proj"}
+
+
+class SliceLinear(nn.Module):
+    """Rows ``[start, stop)`` of ``fused`` as a linear layer of its own.
+
+    ``weight`` and ``bias`` are views of the fused parameters; ``in_features`` and
+    ``out_features`` are those of the projection it stands for. The fused linear is a child
+    of the module that holds the siblings, not of each slice, so its parameters are listed
+    (and saved) once.
+    """
+
+    def __init__(self, fused: nn.Linear, start: int, stop: int) -> None:
+        super().__init__()
+        if not 0 <= start < stop <= fused.out_features:
+            raise ValueError(f"rows [{start}, {stop}) do not lie in a linear of {fused.out_features} outputs")
+        object.__setattr__(self, "fused", fused)  # not registered: see the class doc
+        self.start = start
+        self.stop = stop
+        self.in_features = fused.in_features
+        self.out_features = stop - start
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight[self.start : self.stop]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        b = self.fused.bias
+        return None if b is None else b[self.start : self.stop]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.start}, {self.stop}) of a fused linear, in_features={self.in_features}"
+
+
+def _fusable(linears: Sequence[object]) -> bool:
+    """Plain ``nn.Linear`` layers (not subclasses: quantised or sharded layers keep their own
+    forward) on one device and dtype, reading the same width, all with or all without bias."""
+    if not all(type(m) is nn.Linear for m in linears):
+        return False
+    first = linears[0]
+    ref = first.weight
+    return all(
+        m.in_features == first.in_features
+        and m.weight.dtype == ref.dtype
+        and m.weight.device == ref.device
+        and m.weight.device.type != "meta"
+        and (m.bias is None) == (first.bias is None)
+        for m in linears
+    )
+
+
+def _fuse(parent: nn.Module, names: Sequence[str], fused_name: str, shared: set[int]) -> bool:
+    linears = [getattr(parent, n) for n in names]
+    if not _fusable(linears) or any(id(m.weight) in shared for m in linears) or hasattr(parent, fused_name):
+        return False
+    ref = linears[0].weight
+    with torch.no_grad():
+        fused = nn.Linear(ref.shape[1], sum(m.out_features for m in linears), bias=linears[0].bias is not None,
+                          device="meta")
+        fused.weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=ref.requires_grad)
+        if fused.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]),
+                                      requires_grad=linears[0].bias.requires_grad)
+    parent.register_module(fused_name, fused)
+    start = 0
+    for name, m in zip(names, linears):
+        setattr(parent, name, SliceLinear(fused, start, start + m.out_features))
+        start += m.out_features
+    return True
+
+
+def fuse_sibling_projections(model: nn.Module, groups: dict[tuple[str, ...], str] | None = None) -> int:
+    """Store each module's sibling projections as one weight, registered on that module as a
+    linear of its own, and replace them with :class:`SliceLinear` views; returns how many
+    groups were fused. ``groups`` maps attribute names to the fused linear's name (default:
+    :data:`SIBLING_GROUPS`).
+
+    A group is fused only where every member is a plain ``nn.Linear`` of one input width,
+    dtype and device, with biases on all or none, and no member's weight is shared with
+    another module (tied weights keep their layout), and the module has no attribute of the
+    fused name already. Calling it again fuses nothing more.
+    """
+    groups = SIBLING_GROUPS if groups is None else groups
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    shared = {pid for pid, n in counts.items() if n > 1}
+    fused = 0
+    for module in list(model.modules()):
+        for names, fused_name in groups.items():
+            if all(isinstance(getattr(module, n, None), nn.Module) for n in names):
+                fused += _fuse(module, names, fused_name, shared)
+    if fused:
+        logger.info("fullcg: %d groups of sibling projections of %s stored as one weight each", fused,
+                    type(model).__name__)
+    return fused
