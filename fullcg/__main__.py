@@ -1,4 +1,4 @@
-"""Command line: ``python -m fullcg demo`` (and ``--help``)."""
+"""Command line: ``python -m fullcg demo``, ``python -m fullcg build-kernels`` (and ``--help``)."""
 
 from __future__ import annotations
 
@@ -189,6 +189,133 @@ def tiny_demo(args: argparse.Namespace, device: torch.device) -> int:
     return 0 if ok else 1
 
 
+#: ``--model`` presets of ``build-kernels``: the demo's models as ``demo --device cuda`` runs them
+#: (SmolLM2-135M-Instruct in fp32 through its HF config; the tiny Llama with head dim 64 in bf16).
+KERNEL_MODELS: dict[str, dict[str, object]] = {
+    "smollm2": dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype="float32"),
+    "tiny": dict(num_heads=4, num_kv_heads=2, head_dim=64, page_size=4, dtype="bfloat16"),
+}
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+_SHAPE_FLAGS = ("head_dim", "v_head_dim", "num_heads", "num_kv_heads", "mla_rank", "mla_rope")
+
+
+class _UsageError(Exception):
+    """A bad combination of flags; the message names the fix."""
+
+
+def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig) -> list:
+    """The layer shapes the flags describe (every layer alike)."""
+    from fullcg.kernel_build import LayerShape
+
+    for flag in ("head_dim", "v_head_dim", "num_heads", "num_kv_heads", "page_size", "mla_rank", "mla_rope",
+                 "mla_nope", "mla_v_head_dim", "sliding_window", "num_pages"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise _UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.logit_softcap is not None and not args.logit_softcap > 0:
+        raise _UsageError(f"--logit-softcap must be a positive number, got {args.logit_softcap}")
+    given = [f for f in _SHAPE_FLAGS if getattr(args, f) is not None]
+    preset: dict[str, object] = {}
+    if args.model is not None:
+        if given:
+            raise _UsageError(f"--model {args.model} gives the shapes; drop --{given[0].replace('_', '-')} (or "
+                              "--model, and describe the layers with --head-dim/--num-heads/--num-kv-heads)")
+        preset = KERNEL_MODELS[args.model]
+    dtype_name = args.dtype or preset.get("dtype") or "bfloat16"
+    if dtype_name not in _DTYPES:
+        raise _UsageError(f"--dtype {dtype_name!r} is not one fullcg attends in; choose float16, bfloat16 or float32")
+    dtype = _DTYPES[dtype_name]
+    page_size = args.page_size or preset.get("page_size") or 16
+    heads = args.num_heads or preset.get("num_heads")
+    skip = [config.skip_softmax.prefill_scale_factor is not None, config.skip_softmax.decode_scale_factor is not None]
+    common = dict(page_size=page_size, dtype=dtype, prefill_skip=skip[0], decode_skip=skip[1])
+    if (args.mla_rank is None) != (args.mla_rope is None):
+        raise _UsageError("multi-head latent attention needs both --mla-rank and --mla-rope (DeepSeek-V3: 512 and 64)")
+    if args.mla_rank is not None:
+        if heads is None:
+            raise _UsageError("--mla-rank needs --num-heads (query heads per rank)")
+        if args.head_dim is not None or args.v_head_dim is not None or args.num_kv_heads is not None:
+            raise _UsageError("with --mla-rank, the head dims and the one KV head are the latent's: drop --head-dim, "
+                              "--v-head-dim and --num-kv-heads (--mla-nope and --mla-v-head-dim give the MHA form's)")
+        rank, rope = args.mla_rank, args.mla_rope
+        shapes = [LayerShape(heads, 1, rank + rope, rank, attends="latent", v_after_k=False, **common)]
+        if config.mla_mha_min_tokens is not None:  # long prompts attend in MHA form, over given k/v
+            nope, v = args.mla_nope or 128, args.mla_v_head_dim or 128
+            shapes.append(LayerShape(heads, heads, nope + rope, v, attends="given", returns_lse=True,
+                                     v_after_k=False, **common))
+        return shapes
+    head_dim = args.head_dim or preset.get("head_dim")
+    if head_dim is None or heads is None:
+        raise _UsageError("say which layers: --model smollm2|tiny, or --head-dim and --num-heads (with "
+                          "--num-kv-heads for GQA), or --mla-rank/--mla-rope/--num-heads for multi-head latent "
+                          "attention")
+    kv_heads = args.num_kv_heads or preset.get("num_kv_heads") or heads
+    if heads % kv_heads:
+        raise _UsageError(f"--num-heads ({heads}) must be a multiple of --num-kv-heads ({kv_heads})")
+    return [LayerShape(heads, kv_heads, head_dim, args.v_head_dim or head_dim, sliding_window=args.sliding_window,
+                       logit_softcap=args.logit_softcap is not None, **common)]
+
+
+def build_kernels_command(args: argparse.Namespace) -> int:
+    """Build the attention kernels the flags' layers need under the config, on this GPU."""
+    from fullcg import kernel_build
+    from fullcg.ops.impl import available_implementations
+
+    impl = args.attention_impl
+    if impl is not None and impl not in ("auto", *available_implementations()):
+        print(f"error: unknown --attention-impl {impl!r}; choose auto, {', '.join(available_implementations())}",
+              file=sys.stderr)
+        return 2
+    try:
+        config = fullcg.FullCGConfig.from_env(**({"attention_impl": impl} if impl else {}))
+        shapes = _kernel_shapes(args, config)
+    except (_UsageError, fullcg.errors.FullCGError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        built = f"with CUDA {torch.version.cuda}" if torch.version.cuda else "for the CPU"
+        print("error: build-kernels builds for the GPU it runs on, but torch sees no CUDA device "
+              f"(torch {torch.__version__}, built {built}); run it on the serving machine (or one with the same GPU) "
+              "with a CUDA build of torch", file=sys.stderr)
+        return 2
+    try:
+        device = torch.device(args.device)
+        if device.type != "cuda":
+            raise ValueError(f"{args.device} is not a CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        name = torch.cuda.get_device_name(device)
+    except (RuntimeError, ValueError, AssertionError) as exc:
+        print(f"error: --device {args.device}: {exc}; pass cuda or cuda:N with N below {torch.cuda.device_count()}",
+              file=sys.stderr)
+        return 2
+    table = config.max_pages_per_request or args.num_pages or 1
+    kernels = kernel_build.plan_for(shapes, config, device, table)
+    major, minor = torch.cuda.get_device_capability(device)
+    print(f"fullcg build-kernels: attention_impl={config.attention_impl} on {name} (SM{major}{minor}): "
+          f"{len(kernels)} kernel(s)")
+    if not kernels:
+        print("nothing to build: this implementation compiles nothing ahead (reference), or runs kernels fullcg does "
+              "not know (a registered one)")
+        return 0
+    if args.dry_run:
+        for k in kernels:
+            print(f"  {k.name}")
+        return 0
+    try:
+        result = kernel_build.build_kernels(kernels, device, config)
+    except kernel_build.KernelBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for k in kernels:
+        print(f"  {k.name}: {'built' if k in result.built else 'ready already'}")
+    directory = kernel_build.kernel_dir(config)
+    print(f"built {len(result.built)}, {len(result.ready)} ready already, in {result.seconds:.1f} s"
+          + (f"; Triton kernels in {directory}" if directory is not None else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fullcg", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -206,8 +333,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, help="default: 48 (smollm2), 5 (tiny)")
     p.add_argument("--dump-dir", default=None, help="write graph dumps and the split report here")
     p.add_argument("-v", "--verbose", action="store_true", help="log what fullcg does")
+    b = sub.add_parser(
+        "build-kernels", help="build the attention kernels a model needs on this GPU (FlashInfer's JIT modules, "
+        "fullcg's Triton kernels), once, so that no first capture waits for a compiler",
+        description="Build ahead, on this machine's GPU, the attention kernels that steps of the layers described "
+        "here will run under the config (FULLCG_* variables apply, as for a run: FULLCG_ATTENTION_IMPL, the "
+        "skip-softmax factors). Kernels already built are skipped. Exit status: 0 built, 1 a build failed, 2 bad "
+        "flags or no CUDA device.")
+    b.add_argument("--model", choices=sorted(KERNEL_MODELS), help="the demo's models as `demo --device cuda` runs "
+                   "them: smollm2 (9/3 heads of 64, fp32, pages of 16), tiny (4/2 heads of 64, bf16, pages of 4)")
+    b.add_argument("--head-dim", type=int, help="query/key head size")
+    b.add_argument("--v-head-dim", type=int, help="value head size (default: --head-dim)")
+    b.add_argument("--num-heads", type=int, help="query heads (of one rank under tensor parallelism)")
+    b.add_argument("--num-kv-heads", type=int, help="key/value heads (default: --num-heads)")
+    b.add_argument("--dtype", help="float16, bfloat16 (default) or float32: the model's and its KV cache's")
+    b.add_argument("--page-size", type=int, help="KV cache page size (default 16)")
+    b.add_argument("--attention-impl", help="auto (default: FULLCG_ATTENTION_IMPL or auto), flashinfer, triton")
+    b.add_argument("--mla-rank", type=int, help="multi-head latent attention: kv_lora_rank (DeepSeek-V3: 512)")
+    b.add_argument("--mla-rope", type=int, help="multi-head latent attention: qk_rope_head_dim (DeepSeek-V3: 64)")
+    b.add_argument("--mla-nope", type=int, help="qk_nope_head_dim, for the MHA form of long prompts (default 128)")
+    b.add_argument("--mla-v-head-dim", type=int, help="v_head_dim, for the MHA form of long prompts (default 128)")
+    b.add_argument("--sliding-window", type=int, help="the layers' sliding window, in keys")
+    b.add_argument("--logit-softcap", type=float, help="the layers' logit soft-cap")
+    b.add_argument("--num-pages", type=int, help="pages of each layer's KV cache (FullCGConfig.max_pages_per_request "
+                   "wins): sizes skip-softmax decode without decode_split_tiles, nothing else")
+    b.add_argument("--device", default="cuda", help="the GPU to build for: cuda (default: the current one) or cuda:N")
+    b.add_argument("--dry-run", action="store_true", help="list the kernels, build nothing")
+    b.add_argument("-v", "--verbose", action="store_true", help="log what fullcg does")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if args.command == "build-kernels":
+        return build_kernels_command(args)
     return demo(args)
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "has_forward_context",
     "num_prefix_chunks",
     "mla_mha_step",
+    "model_of",
     "prefix_chunk_tokens",
     "skip_softmax_factors",
 ]
@@ -208,6 +209,16 @@ def forget_kv_caches() -> None:
     """Drop the remembered layer -> cache maps (a layer's cache changed)."""
     _module_caches.clear()
     _module_facts.clear()
+
+
+def model_of(kv_caches: Mapping[int, KVCache]) -> torch.nn.Module | None:
+    """The model whose layers :func:`forward_context` collected ``kv_caches`` from (a
+    context's ``kv_caches`` is the remembered map itself), or None: a map given directly,
+    or one forgotten since because a layer got a new cache."""
+    for model, caches in list(_module_caches.items()):
+        if caches is kv_caches:
+            return model
+    return None
 
 
 def _facts(source: object, caches: Mapping[int, KVCache]) -> tuple[int | None, bool]:

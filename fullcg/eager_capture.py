@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fullcg import cudagraph
+from fullcg import cudagraph, kernel_build
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import (
     ForwardContext, check_call_positions, current_padded_size, derived_context, get_forward_context, mla_mha_step,
@@ -570,6 +570,8 @@ class EagerCaptureModel:
         # What tracing tells the compiled path: needed to pad and capture, or for the
         # policy that runs full graphs when they can be captured.
         if graphs is not None or (piecewise is not None and full is not None):
+            if graphs is not None:  # the probe is the model's first eager run: compilers run before it
+                kernel_build.before_capture(ctx, config, self.model)
             probe = _probe(_ModelCall(self.model, positional, names), args, ctx, config,
                            GraphMode.FULL if full is not None else GraphMode.PIECEWISE, device)
             if segmented is not None:

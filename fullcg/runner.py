@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fullcg import cudagraph
+from fullcg import cudagraph, kernel_build
 from fullcg.config import FullCGConfig, GraphMode
 from fullcg.context import ForwardContext, derived, derived_context, enter, get_forward_context, leave
 from fullcg.frontend import progress_bar
@@ -435,6 +435,8 @@ class StepRunner:
         for cache in ctx.kv_caches.values():
             cache.compiled_counts = self.counts
         self._first_call = False  # only now: a step that failed above sets up again
+        if self.captures:  # compilers run before any capture, not inside the first one
+            kernel_build.before_capture(ctx, self.config)
         if self.captures and (_take_capture_request() or self.config.capture_on_compile):
             self.capture_all(args, ctx)
 

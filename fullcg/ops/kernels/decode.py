@@ -150,10 +150,12 @@ def _copy_head(Dst, dst, Src, cols, HEAD: tl.constexpr):
 
 # What changes from step to step is not specialised on, so a new batch, capture size or
 # page-table width is the same compiled kernel (each new one is a second of compile at
-# startup): the counts, the page table's row stride (1 for a one-page table) and the
-# addresses of the metadata vectors (a captured graph's are views into one buffer at
-# offsets that follow its capture size; read a scalar at a time, alignment buys nothing).
-@triton.jit(do_not_specialize=["num_splits", "num_requests", "num_rows", "stride_pt", "window"],
+# startup): the counts, the page table's row stride (1 for a one-page table), the
+# workspace's stride per request (runs per request times query heads: with 9 heads, 16
+# runs make it a multiple of 16 and 15 do not) and the addresses of the metadata vectors
+# (a captured graph's are views into one buffer at offsets that follow its capture size;
+# read a scalar at a time, alignment buys nothing).
+@triton.jit(do_not_specialize=["num_splits", "num_requests", "num_rows", "stride_pt", "window", "stride_pr"],
             do_not_specialize_on_alignment=["Sem", "Slots", "PageTable", "QLoc", "KvLoc", "SeqLens", "IsDecode",
                                             "NumTokens", "QPos"])
 def _decode_kernel(
