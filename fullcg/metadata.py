@@ -434,6 +434,11 @@ class AttentionMetadata:
         # padding exceeds the caches). None: made by __init__, not checked yet; verified()
         # re-derives the metadata from its host fields once and sets it.
         "_max_page",
+        # The page table's used columns on the host (numpy, intp), when build had them: what
+        # implementations that plan on the host read (host_page_table), so a step whose
+        # table lives on the device is planned without copying it back, which would make
+        # the host wait for the GPU. None: read from the device on first use.
+        "_page_table_host",
         # Implementations key per-step plans to the batch by weak reference (flashinfer's).
         "__weakref__",
     )
@@ -523,6 +528,7 @@ class AttentionMetadata:
             n, all(decode_flags), any(decode_flags), -(-longest // page_size), num_chunks,
             decode_flags, _query_starts_of(q_lens),
             prefix_chunks, None, None,  # the plan (or None: made on first use), positions, no bound yet
+            None,  # the host page table: read from page_table on first use
         )
 
     def _set_slots(self, *values: object) -> None:
@@ -613,7 +619,10 @@ class AttentionMetadata:
         # Only the columns some request uses matter; the checks and lookups read just those,
         # as intp (numpy's index type: lookups through the table convert nothing).
         width = -(-longest // page_size)
-        pt = np.ascontiguousarray(page_table.cpu().numpy()[:, :width], dtype=np.intp)
+        given = page_table.cpu().numpy()
+        pt = np.ascontiguousarray(given[:, :width], dtype=np.intp)
+        if np.may_share_memory(pt, given):
+            pt = pt.copy()  # kept by the metadata: never a view of the caller's table
 
         # Slot of each new token: its absolute position looked up through the page table.
         row_base = np.arange(0, num_reqs * width, width)
@@ -658,7 +667,7 @@ class AttentionMetadata:
             # A decode batch's flags and starts cost next to nothing now; others', on first read.
             (True,) * num_reqs if all_decode else None,
             tuple(range(num_reqs + 1)) if decode_only else None,
-            max_page,
+            max_page, pt,
         )
 
     @classmethod
@@ -684,6 +693,7 @@ class AttentionMetadata:
         decode_flags: tuple[bool, ...] | None,
         query_starts: tuple[int, ...] | None,
         max_page: int,
+        page_table_host: np.ndarray | None = None,
     ) -> AttentionMetadata:
         """Metadata from fields that :meth:`build` has checked and derived, the derived
         values included (from the host fields alone; ``decode_flags`` and ``query_starts``
@@ -713,6 +723,7 @@ class AttentionMetadata:
         set_(md, "_prefix_chunks", None)
         set_(md, "_positions", None)
         set_(md, "_max_page", max_page)
+        set_(md, "_page_table_host", page_table_host)
         return md
 
     def with_device_tensors(
@@ -771,6 +782,7 @@ class AttentionMetadata:
         set_(md, "_prefix_chunks", chunks)
         set_(md, "_positions", positions)
         set_(md, "_max_page", self._max_page)
+        set_(md, "_page_table_host", self._page_table_host)  # the real batch's rows: what host planners read
         return md
 
     def replace(self, **changes: object) -> AttentionMetadata:
@@ -848,7 +860,7 @@ class AttentionMetadata:
             # _max_page bounds the table's first columns, padding included: look at the used
             # entries alone (raises if one is out of range) and keep their exact largest id.
             seq = np.add(self.query_lens, self.prefix_lens)
-            max_page = _check_page_range(*_used_pages(self.page_table.cpu().numpy(), seq, self.page_size), num_pages)
+            max_page = _check_page_range(*_used_pages(self.host_page_table().numpy(), seq, self.page_size), num_pages)
             object.__setattr__(self, "_max_page", max_page)
         return self
 
@@ -885,6 +897,21 @@ class AttentionMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.query_lens)
+
+    def host_page_table(self) -> torch.Tensor:
+        """The page table on the host, a CPU tensor ``[num_requests, >= pages_needed]``: each
+        request's row covers at least the pages it reads (later columns may be cut off).
+
+        For implementations that plan on the host: metadata from :meth:`build` keeps the
+        table it was given, so reading it never copies from the device (which would make
+        the host wait for the GPU and end the overlap of host and GPU between steps). Other
+        metadata copies ``page_table`` once, on first use. Do not write into it.
+        """
+        host = self._page_table_host
+        if host is None:
+            host = self.page_table.cpu().numpy()
+            object.__setattr__(self, "_page_table_host", host)
+        return torch.from_numpy(host[: self.num_requests])
 
     @property
     def decode_flags(self) -> tuple[bool, ...]:

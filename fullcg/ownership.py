@@ -73,7 +73,7 @@ class PageOwnership:
         ids = np.asarray(request_ids, dtype=np.int64)
         if ids.shape != (metadata.num_requests,):
             raise ValueError(f"request_ids needs one id per request ({metadata.num_requests}), got {len(request_ids)}")
-        table = metadata.page_table.cpu().numpy().astype(np.int64, copy=False)
+        table = metadata.host_page_table().numpy().astype(np.int64, copy=False)
         seq = np.add(metadata.query_lens, metadata.prefix_lens)
         used_mask = np.arange(table.shape[1])[None, :] < (-(-seq // metadata.page_size))[:, None]
         pages = self._pages(table[used_mask])

@@ -270,3 +270,23 @@ def test_static_metadata_fill_gives_the_batch_over_the_static_buffers():
     for name in (*_HOST_FIELDS, *_DERIVED):
         assert getattr(filled, name) == getattr(md, name), name
     assert filled.query_start_loc.tolist() == [0, 2, 3, 4, 5, 6, 7, 8, 8]
+
+
+def test_the_host_page_table_is_builds_own_copy_and_survives_device_tensor_swaps():
+    # Host planners (FlashInfer) read the table from here: a batch built from a host table
+    # keeps it, so a step whose table is on the device never copies it back (that copy would
+    # make the host wait for the GPU between steps).
+    table = torch.arange(12, dtype=torch.int64).view(2, 6)
+    md = fullcg.AttentionMetadata.build([2, 1], [5, 9], table, 4)
+    host = md.host_page_table()
+    assert host.shape[0] == 2 and host.shape[1] >= md.pages_needed
+    assert torch.equal(host, table[:, : host.shape[1]])
+    table.fill_(99)  # the caller's table, reused for the next step
+    assert torch.equal(md.host_page_table(), torch.arange(12).view(2, 6)[:, : host.shape[1]])
+    # A CUDA graph's static buffers hold the batch padded; the host table stays the batch's own.
+    swapped = md.with_device_tensors(**{name: getattr(md, name) for name in _DEVICE_FIELDS}
+                                     | {"page_table": torch.zeros(8, 16, dtype=torch.int32)})
+    assert torch.equal(swapped.host_page_table(), md.host_page_table())
+    # Metadata made field by field reads it from page_table on first use.
+    made = AttentionMetadata(*(getattr(md, name) for name in _FIELDS))
+    assert torch.equal(made.host_page_table(), md.page_table.to(torch.int64))

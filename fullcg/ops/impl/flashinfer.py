@@ -205,7 +205,7 @@ def _paged_indices(md: AttentionMetadata, slots: int | None, padded_rows: int, d
     and reads page 0, so it never reaches outside the cache; its output is zeroed later.
     """
     ps = md.page_size
-    table = md.page_table.cpu()
+    table = md.host_page_table()  # never a copy back from the device: see AttentionMetadata.host_page_table
     q_lens = list(md.query_lens)
     kv_lens = [q + p for q, p in zip(md.query_lens, md.prefix_lens)]
     pages = [table[r, : math.ceil(n / ps)].to(_INT) for r, n in enumerate(kv_lens)]
