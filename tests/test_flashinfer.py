@@ -119,6 +119,27 @@ def test_plans_carry_the_window_and_softcap_and_layers_differing_in_them_never_s
         assert planned["sm_scale"] == b.layer.scale
 
 
+def test_plans_take_the_page_table_from_the_host_and_hand_flashinfer_page_locked_arrays(over_stand_in_flashinfer):
+    """Planning never reads the page table back from the device (a copy that waits for the
+    GPU's queued work), and on a GPU the index arrays FlashInfer copies with
+    non_blocking=True are page-locked (a copy from pageable memory waits for the stream)."""
+    fi = over_stand_in_flashinfer
+    b = make_batch([5, 1], [12, 30], num_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    md = b.metadata
+    # As a CUDA graph's static metadata has it: the device table padded and rewritten.
+    static = md.with_device_tensors(**{name: getattr(md, name) for name in
+                                       ("slot_mapping", "query_start_loc", "seq_lens", "prefix_lens_tensor",
+                                        "is_decode", "num_tokens_tensor")},
+                                    page_table=torch.zeros(8, 32, dtype=torch.int32))
+    want, got = fi._paged_indices(md, None, md.num_tokens, False), fi._paged_indices(static, None, md.num_tokens, False)
+    assert torch.equal(got.kv_indices, want.kv_indices) and got.kv_indices.any()
+    assert want.pinned(torch.device("cpu")) is want
+    if torch.cuda.is_available():
+        pinned = want.pinned(torch.device("cuda"))
+        assert all(t.is_pinned() for t in (pinned.qo_indptr, pinned.kv_indptr, pinned.kv_indices, pinned.last_page_len))
+        assert torch.equal(pinned.kv_indices, want.kv_indices)
+
+
 def test_a_window_over_a_prefix_chunk_and_a_factor_with_a_window_or_softcap_are_refused(over_stand_in_flashinfer):
     impl = over_stand_in_flashinfer.FlashInferAttention()
     b = make_batch([5, 3], [40, 20], num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16,

@@ -157,6 +157,16 @@ class _Indices:
     kv_indices: torch.Tensor | None = None
     last_page_len: torch.Tensor | None = None
 
+    def pinned(self, device: torch.device) -> _Indices:
+        """These arrays in page-locked memory when the plan is for a GPU. FlashInfer's plans
+        copy them to the device with ``non_blocking=True``, and a copy from pageable memory
+        first waits for all the work queued on the stream: the host would wait for the
+        previous step to finish before it could plan this one."""
+        if device.type != "cuda":
+            return self
+        return _Indices(*(None if t is None else t.pin_memory()
+                          for t in (self.qo_indptr, self.kv_indptr, self.kv_indices, self.last_page_len)))
+
 
 @dataclasses.dataclass
 class _FmhaBatch:
@@ -428,7 +438,7 @@ class FlashInferAttention(AttentionImpl):
             # The decode wrapper takes one head dim for k and v; other shapes use the prefill one.
             decode = md.is_decode_only and shape.head_dim == shape.v_head_dim
             rows = slots if slots is not None else md.num_tokens
-            idx = _paged_indices(md, slots, rows, decode)
+            idx = _paged_indices(md, slots, rows, decode).pinned(shape.device)
             max_pages = 2 * cache.num_pages + 2 * (slots or 0) + 1
             if slots is not None and idx.kv_indices.numel() > max_pages:
                 raise ValueError(
@@ -451,7 +461,7 @@ class FlashInferAttention(AttentionImpl):
             kv_rows = 0
         else:
             rows = slots if slots is not None else md.num_tokens
-            idx = _ragged_indices(md, kind, slots, rows)
+            idx = _ragged_indices(md, kind, slots, rows).pinned(shape.device)
             wrapper = self._wrapper(shape, kind, False, slots, 0, backend)
             causal = kind[0] == "ragged" and kind[1]
             wrapper.plan(
@@ -469,7 +479,7 @@ class FlashInferAttention(AttentionImpl):
         """The MLA wrapper for this batch (CUDA-graph one with ``slots``), planned: every request
         over its prefix and new tokens, causal; padding requests as the paged wrappers have them."""
         rows = slots if slots is not None else md.num_tokens
-        idx = _paged_indices(md, slots, rows, md.is_decode_only)
+        idx = _paged_indices(md, slots, rows, md.is_decode_only).pinned(shape.device)
         max_pages = 2 * cache.num_pages + 2 * (slots or 0) + 1
         if slots is not None and idx.kv_indices.numel() > max_pages:
             raise ValueError(
@@ -486,6 +496,8 @@ class FlashInferAttention(AttentionImpl):
             )
         wrapper = self._wrapper(shape, kind, False, slots, max_pages, self._mla_backend_for(shape.device))
         lens = flashinfer_mla.kv_lens(idx.kv_indptr, idx.last_page_len, md.page_size)
+        if shape.device.type == "cuda":
+            lens = lens.pin_memory()  # (see _Indices.pinned)
         first = self._mla_launches.get(id(wrapper)) if slots is not None else None
         launch = flashinfer_mla.plan(
             wrapper, idx.qo_indptr, idx.kv_indptr, idx.kv_indices, lens, num_heads=shape.num_qo_heads,
