@@ -493,46 +493,39 @@ def _flashinfer_jit_dir() -> Path:
 def _flashinfer_uri(kernel: Kernel) -> str:
     """The module's name in FlashInfer's JIT cache (its ``get_*_uri`` functions, which
     generate no sources)."""
-    import flashinfer.jit as jit
-
-    if kernel.what == "fa2":
-        dtype, head_dim, v_head_dim, window, softcap = kernel.args
-        dt = getattr(torch, dtype)
-        return jit.get_batch_prefill_uri("fa2", dt, dt, dt, torch.int32, head_dim, v_head_dim, 0, window, softcap,
-                                         False)
-    if kernel.what == "mla":
-        backend, dtype, rank, rope = kernel.args
-        dt = getattr(torch, dtype)
-        return jit.get_batch_mla_uri(backend, dt, dt, dt, torch.int32, rank, rope, False)
-    if kernel.what == "fmha_v2":  # as gen_fmha_v2_module names it
-        layout, dtype = kernel.args
-        short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
-        return f"trtllm_fmha_v2_{layout.lower()}_{short}_{short}"
-    if kernel.what == "trtllm-gen":
-        return "fmha_gen"
-    raise ValueError(f"unknown FlashInfer module kind {kernel.what!r}")
+    return _flashinfer_jit(kernel, uri=True)
 
 
 def _flashinfer_spec(kernel: Kernel) -> Any:
     """The module's JIT spec, with the arguments the ``flashinfer`` implementation's
     wrappers pass (int32 indices, q, k/v and output in one dtype, no rope, no fp16 QK
     reduction; the FA2 module serves paged, ragged and tensor-core decode alike)."""
+    return _flashinfer_jit(kernel, uri=False)
+
+
+def _flashinfer_jit(kernel: Kernel, *, uri: bool) -> Any:
+    """FlashInfer's ``get_*_uri`` (``uri``) or ``gen_*_module`` for ``kernel``: one place
+    for the arguments, so a module's name and its spec never disagree."""
     import flashinfer.jit as jit
 
     if kernel.what == "fa2":
         dtype, head_dim, v_head_dim, window, softcap = kernel.args
         dt = getattr(torch, dtype)
-        return jit.gen_batch_prefill_module("fa2", dt, dt, dt, torch.int32, head_dim, v_head_dim, 0, window, softcap,
-                                            False)
+        fn = jit.get_batch_prefill_uri if uri else jit.gen_batch_prefill_module
+        return fn("fa2", dt, dt, dt, torch.int32, head_dim, v_head_dim, 0, window, softcap, False)
     if kernel.what == "mla":
         backend, dtype, rank, rope = kernel.args
         dt = getattr(torch, dtype)
-        return jit.gen_batch_mla_module(backend, dt, dt, dt, torch.int32, rank, rope, False)
+        fn = jit.get_batch_mla_uri if uri else jit.gen_batch_mla_module
+        return fn(backend, dt, dt, dt, torch.int32, rank, rope, False)
     if kernel.what == "fmha_v2":
         layout, dtype = kernel.args
+        if uri:  # as gen_fmha_v2_module names it
+            short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+            return f"trtllm_fmha_v2_{layout.lower()}_{short}_{short}"
         return jit.gen_fmha_v2_module(layout, getattr(torch, dtype))
     if kernel.what == "trtllm-gen":
-        return jit.gen_trtllm_gen_fmha_module()
+        return "fmha_gen" if uri else jit.gen_trtllm_gen_fmha_module()
     raise ValueError(f"unknown FlashInfer module kind {kernel.what!r}")
 
 
