@@ -607,15 +607,16 @@ def _triton_cache_in(directory: Path | None) -> Iterator[None]:
     if directory is None:
         yield
         return
-    before = os.environ.get(_ENV_TRITON_CACHE)
-    os.environ[_ENV_TRITON_CACHE] = str(directory / "triton")
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(_ENV_TRITON_CACHE, None)
-        else:
-            os.environ[_ENV_TRITON_CACHE] = before
+    with _env_lock:
+        before = os.environ.get(_ENV_TRITON_CACHE)
+        os.environ[_ENV_TRITON_CACHE] = str(directory / "triton")
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(_ENV_TRITON_CACHE, None)
+            else:
+                os.environ[_ENV_TRITON_CACHE] = before
 
 
 @functools.lru_cache(maxsize=None)
@@ -872,7 +873,12 @@ def _cuda_device(caches: Mapping[int, KVCache]) -> torch.device | None:
 
 
 _done: set[tuple[Any, ...]] = set()
+#: Held while a hook checks and builds: a second caller (another thread's runner) waits for
+#: the first's build rather than capturing before the kernels exist.
 _done_lock = threading.Lock()
+#: Held while ``TRITON_CACHE_DIR`` points at the kernel directory: the variable is the
+#: process's, so two builds at once would otherwise restore each other's value.
+_env_lock = threading.RLock()
 
 
 def before_capture(ctx: ForwardContext, config: FullCGConfig, model: torch.nn.Module | None = None) -> None:
@@ -897,10 +903,10 @@ def before_capture(ctx: ForwardContext, config: FullCGConfig, model: torch.nn.Mo
         with _done_lock:
             if key in _done:
                 return
-            _done.add(key)
-        if kernels:
-            build_kernels(kernels, device, config, when="before the first capture (`python -m fullcg build-kernels` "
-                          "builds them at deploy time)")
+            _done.add(key)  # before building: a build that fails is not tried again by each step
+            if kernels:
+                build_kernels(kernels, device, config, when="before the first capture (`python -m fullcg "
+                              "build-kernels` builds them at deploy time)")
     except Exception as exc:  # noqa: BLE001 - building ahead is an optimisation
         log_once(("kernel build", type(exc).__name__, str(exc)[:200]), logger, logging.WARNING,
                  "fullcg: building attention kernels ahead failed, so they are built on first use: %s", exc)

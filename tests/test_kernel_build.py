@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import os
 
 import pytest
 import torch
@@ -581,3 +582,27 @@ def test_on_a_gpu_flashinfer_modules_are_built_once(tmp_path, monkeypatch):
     assert all(kernel_build._flashinfer_built(k) for k in modules)
     assert kernel_build.build_kernels(kernels, "cuda", config).built == ()
 
+
+
+def test_builds_in_two_threads_leave_the_triton_cache_variable_as_it_was(tmp_path, monkeypatch):
+    # The variable is the process's: each build points it at the kernel directory for its
+    # compiles, one at a time, and puts back what was there.
+    import threading
+    import time
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    seen: list[str] = []
+
+    def build(directory):
+        with kernel_build._triton_cache_in(directory):
+            seen.append(os.environ["TRITON_CACHE_DIR"])
+            time.sleep(0.05)
+            seen.append(os.environ["TRITON_CACHE_DIR"])
+
+    threads = [threading.Thread(target=build, args=(tmp_path / name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # each build saw only its own directory

@@ -47,27 +47,56 @@ def test_pass_merges_adjacent_row_slices_of_one_weight_into_one_linear_with_the_
     torch.testing.assert_close(gm(x), expected)
 
 
-def test_pass_views_the_fused_output_as_heads_when_every_projection_is_viewed_as_heads():
-    class Heads(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Linear(8, 16, bias=False)
-            self.q, self.k, self.v = SliceLinear(self.w, 0, 8), SliceLinear(self.w, 8, 12), SliceLinear(self.w, 12, 16)
+class _Viewed(nn.Module):
+    """q/k/v outputs read through views of several shapes, as attention code reads them."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            shape = (x.shape[0], x.shape[1], -1, 4)
-            q, k, v = self.q(x).view(shape), self.k(x).view(shape), self.v(x).view(shape)
-            return (q[..., :1, :] * k + v).sum(-1)
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(8, 16, bias=False)
+        self.q, self.k, self.v = SliceLinear(self.w, 0, 8), SliceLinear(self.w, 8, 12), SliceLinear(self.w, 12, 16)
 
-    gm = torch.fx.symbolic_trace(Heads())
-    x = torch.randn(1, 5, 8)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape[0], x.shape[1]
+        q = self.q(x).view(b, -1, 4, 2)  # heads, a -1 among the leading sizes
+        k = self.k(x).view(b, -1, 2)  # tokens and heads merged
+        v = self.v(x).view(b, 2 * t, -1, 2)  # tokens split another way
+        return torch.cat([q.flatten(), k.flatten(), v.flatten(), self.q(x).view(b, -1).flatten()])
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_each_projection_gets_its_columns_back_contiguous_so_any_view_of_it_still_works(tokens):
+    gm = torch.fx.symbolic_trace(_Viewed())
+    x = torch.randn(2, tokens, 8)
     expected = gm(x)
     FuseSiblingLinearsPass()(gm.graph)
     gm.recompile()
-    assert len(_linears(gm)) == 1
-    views = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "view"]
-    assert len(views) == 1 and views[0].args[0].target is torch._C._nn.linear  # heads first, then sliced and copied
-    torch.testing.assert_close(gm(x), expected)
+    assert len(_linears(gm)) == 2  # q/k/v as one; the second q call has no siblings left to join
+    clones = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "clone"]
+    assert len(clones) == 3 and all(n.kwargs == {"memory_format": torch.contiguous_format} for n in clones)
+    got = gm(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected)
+
+
+def test_pass_leaves_siblings_alone_when_something_between_them_writes():
+    class Written(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(8, 12, bias=False)
+            self.q, self.k, self.v = SliceLinear(self.w, 0, 4), SliceLinear(self.w, 4, 8), SliceLinear(self.w, 8, 12)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.q(x)
+            x.mul_(2)  # the k and v projections read the doubled x
+            return torch.cat([q, self.k(x), self.v(x)], -1)
+
+    gm = torch.fx.symbolic_trace(Written())
+    x = torch.randn(2, 8)
+    expected = gm(x.clone())
+    FuseSiblingLinearsPass()(gm.graph)
+    gm.recompile()
+    assert len(_linears(gm)) == 3  # a write between two of them: the group stays as it was
+    torch.testing.assert_close(gm(x.clone()), expected)
 
 
 def test_pass_leaves_slices_that_skip_rows_or_read_other_inputs_alone():
@@ -112,12 +141,43 @@ def test_fusing_projections_keeps_parameter_count_and_forward_values():
     assert isinstance(attn.q_proj, SliceLinear) and attn.k_proj.out_features == 16
     assert attn.v_proj.weight.data_ptr() == attn.qkv_proj.weight[48:].data_ptr()  # a view, not a copy
     assert isinstance(mlp.gate_proj, SliceLinear) and mlp.gate_up_proj.out_features == 128
-    keys = model.state_dict().keys()
-    assert "model.layers.0.self_attn.qkv_proj.weight" in keys and "model.layers.0.self_attn.q_proj.weight" not in keys
+    assert [n for n, _ in model.model.layers[0].self_attn.named_parameters()] == ["o_proj.weight", "qkv_proj.weight"]
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits)
     assert fuse_sibling_projections(model) == 0  # a second call finds nothing left to fuse
+
+
+def test_the_state_dict_keeps_the_models_own_keys_both_ways(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_llama()
+    original = copy.deepcopy(model)
+    fuse_sibling_projections(model)
+    saved = model.state_dict()
+    assert saved.keys() == original.state_dict().keys()  # q_proj.weight ..., no fused key
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    # A prepared model's checkpoint loads into the model as transformers builds it ...
+    fresh = transformers.LlamaForCausalLM(original.config).eval()
+    fresh.load_state_dict(saved)
+    # ... and a checkpoint of that model loads into the prepared one (strict).
+    other = copy.deepcopy(model)
+    torch.nn.init.zeros_(other.model.layers[0].self_attn.qkv_proj.weight)
+    other.load_state_dict(original.state_dict())
+    model.save_pretrained(tmp_path)  # safetensors, through transformers
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        want = original(ids).logits
+        for m in (fresh, other, reloaded):
+            torch.testing.assert_close(m(ids).logits, want)
+
+
+def test_fusing_projections_skips_linears_with_hooks_or_mixed_trainability():
+    model = _tiny_llama()
+    attn0, mlp1 = model.model.layers[0].self_attn, model.model.layers[1].mlp
+    attn0.q_proj.register_forward_hook(lambda *args: None)  # an adapter or a probe: it must keep firing
+    mlp1.up_proj.weight.requires_grad_(False)  # a frozen half: fusing would make it trainable
+    assert fuse_sibling_projections(model) == 2  # layer 0's MLP, layer 1's attention
+    assert type(attn0.q_proj) is nn.Linear and type(mlp1.up_proj) is nn.Linear
 
 
 def test_fusing_projections_skips_shared_weights_and_linear_subclasses():
@@ -142,8 +202,8 @@ def test_prepare_fuses_projections_and_compiled_steps_run_one_linear_per_group(m
     ref = copy.deepcopy(model)
     fused_runs = []
     original = FuseSiblingLinearsPass._fuse
-    monkeypatch.setattr(FuseSiblingLinearsPass, "_fuse",
-                        lambda self, graph, x, run: (fused_runs.append(len(run)), original(self, graph, x, run)))
+    monkeypatch.setattr(FuseSiblingLinearsPass, "_fuse", staticmethod(
+        lambda graph, x, run, position: fused_runs.append(len(run)) or original(graph, x, run, position)))
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     config = fullcg.FullCGConfig(compiler="eager")
     fhf.prepare(ref, num_pages=16, page_size=16, fuse_projections=False)

@@ -2,16 +2,21 @@
 
 A decoder layer's query, key and value projections read the same input, as do its MLP's
 gate and up projections. Stored as one weight (rows of each projection one after the
-other) and called through :class:`SliceLinear`, each still looks and computes like its
-own ``nn.Linear``, and a compiled graph sees ``linear(x, W[a:b])`` per projection, which
+other) and called through :class:`SliceLinear`, each still computes what its own
+``nn.Linear`` did, and a compiled graph sees ``linear(x, W[a:b])`` per projection, which
 :class:`fullcg.passes.sibling_linears.FuseSiblingLinearsPass` turns into one matmul per
 group. Memory is unchanged: the original weights are copied into the fused one and dropped.
+The model's ``state_dict`` keeps the original keys (``q_proj.weight``, ...: row views of
+the fused weight), and loading one with those keys fills the fused weight, so checkpoints
+saved from a prepared model load into an unprepared one and back.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,21 +68,61 @@ class SliceLinear(nn.Module):
         return f"rows [{self.start}, {self.stop}) of a fused linear, in_features={self.in_features}"
 
 
-def _fusable(linears: Sequence[object]) -> bool:
-    """Plain ``nn.Linear`` layers (not subclasses: quantised or sharded layers keep their own
-    forward) on one device and dtype, reading the same width, all with or all without bias."""
-    if not all(type(m) is nn.Linear for m in linears):
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def _plain(m: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a subclass: quantised or sharded layers keep their own
+    forward) with plain 2-D tensors for parameters and no hooks (an adapter, an offloading
+    or a sharding hook would be bypassed by the fused matmul)."""
+    if type(m) is not nn.Linear or hasattr(m, "_hf_hook") or any(getattr(m, h, None) for h in _HOOKS):
+        return False
+    params = [m.weight] + ([m.bias] if m.bias is not None else [])
+    return m.weight.dim() == 2 and all(type(p.data) is torch.Tensor and p.device.type != "meta" for p in params)
+
+
+def _fusable(linears: Sequence[Any]) -> bool:
+    """Plain linears (:func:`_plain`) on one device and dtype, reading the same width, all
+    with or all without bias, all trainable or all frozen."""
+    if not all(_plain(m) for m in linears):
         return False
     first = linears[0]
     ref = first.weight
+
+    def grads(m: nn.Linear) -> tuple[bool, bool | None]:
+        return m.weight.requires_grad, None if m.bias is None else m.bias.requires_grad
+
     return all(
         m.in_features == first.in_features
         and m.weight.dtype == ref.dtype
         and m.weight.device == ref.device
-        and m.weight.device.type != "meta"
         and (m.bias is None) == (first.bias is None)
+        and grads(m) == grads(first)
         for m in linears
     )
+
+
+def _split_state(names: tuple[str, ...], fused_name: str, sizes: tuple[int, ...], module: nn.Module,
+                 state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` post-hook: the fused parameters saved under the siblings' own keys."""
+    for kind in ("weight", "bias"):
+        value = state_dict.pop(f"{prefix}{fused_name}.{kind}", None)
+        if value is None:
+            continue
+        start = 0
+        for name, rows in zip(names, sizes):
+            state_dict[f"{prefix}{name}.{kind}"] = value[start : start + rows]
+            start += rows
+
+
+def _join_state(names: tuple[str, ...], fused_name: str, module: nn.Module, state_dict: dict[str, Any],
+                prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook: the siblings' own keys loaded into the fused parameters."""
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{kind}" for name in names]
+        if all(k in state_dict for k in keys):
+            state_dict[f"{prefix}{fused_name}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
 
 
 def _fuse(parent: nn.Module, names: Sequence[str], fused_name: str, shared: set[int]) -> bool:
@@ -97,6 +142,10 @@ def _fuse(parent: nn.Module, names: Sequence[str], fused_name: str, shared: set[
     for name, m in zip(names, linears):
         setattr(parent, name, SliceLinear(fused, start, start + m.out_features))
         start += m.out_features
+    # Module-level functions behind partials: the hooks pickle with the model.
+    sizes = tuple(m.out_features for m in linears)
+    parent.register_state_dict_post_hook(functools.partial(_split_state, tuple(names), fused_name, sizes))
+    parent.register_load_state_dict_pre_hook(functools.partial(_join_state, tuple(names), fused_name))
     return True
 
 
@@ -106,10 +155,12 @@ def fuse_sibling_projections(model: nn.Module, groups: dict[tuple[str, ...], str
     groups were fused. ``groups`` maps attribute names to the fused linear's name (default:
     :data:`SIBLING_GROUPS`).
 
-    A group is fused only where every member is a plain ``nn.Linear`` of one input width,
-    dtype and device, with biases on all or none, and no member's weight is shared with
-    another module (tied weights keep their layout), and the module has no attribute of the
-    fused name already. Calling it again fuses nothing more.
+    A group is fused only where every member is a plain ``nn.Linear`` (no subclass, no hooks,
+    plain tensors) of one input width, dtype and device, with biases on all or none, all
+    trainable or all frozen, no member's weight is shared with another module (tied weights
+    keep their layout), and the module has no attribute of the fused name already. The
+    module's ``state_dict`` keeps the siblings' keys (see the module doc). Calling it again
+    fuses nothing more.
     """
     groups = SIBLING_GROUPS if groups is None else groups
     counts: dict[int, int] = {}

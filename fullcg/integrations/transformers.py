@@ -506,8 +506,8 @@ def prepare(
     and its MLP's gate and up projections, are stored as one weight per group
     (:func:`fullcg.integrations.fused_linear.fuse_sibling_projections`; memory unchanged),
     so a compiled step runs one matmul per group: the same values, fewer and fuller kernels.
-    The model's ``state_dict`` then holds the fused weights (``...self_attn.qkv_proj.weight``,
-    ``...mlp.gate_up_proj.weight``) in place of the separate ones.
+    The model's ``state_dict`` keeps the separate keys (``q_proj.weight``, ...), so what it
+    saves loads into the model as transformers builds it, and such a checkpoint loads into it.
 
     Returns a :class:`PackedCausalLM` over ``model`` (``input_ids [T], positions [T] ->
     logits [T, vocab]``): the module to compile, run steps with, or pass to
@@ -517,8 +517,6 @@ def prepare(
     if not isinstance(fuse_projections, bool):
         raise TypeError(f"fuse_projections must be True or False, got {fuse_projections!r}")
     register()
-    if fuse_projections:
-        fuse_sibling_projections(model)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         logger.info("switching %s from attn_implementation=%r to %r", type(model).__name__,
                     model.config._attn_implementation, ATTN_IMPLEMENTATION)
@@ -534,6 +532,8 @@ def prepare(
             device=device or (ref.device if ref is not None else "cpu"),
         )
         setattr(module, _CHILD, attn)  # a child module: forward_context(metadata, model) finds the cache
+    if fuse_projections:  # last: a prepare that fails leaves the model's layout as it was
+        fuse_sibling_projections(model)
     logger.info("fullcg: prepared %d attention layers of %s (%d pages of %d tokens each)",
                 len(plan), type(model).__name__, num_pages, page_size)
     return PackedCausalLM(model)

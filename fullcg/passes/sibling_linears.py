@@ -9,9 +9,18 @@ lays out a transformers model's sibling projections so), the graph holds
 
     linear(x, W[0:a]), linear(x, W[a:b]), linear(x, W[b:c])
 
-and this pass rewrites it to one ``linear(x, W[0:c])`` whose output columns are sliced
-back (``out[..., 0:a]`` and so on): the same values, one kernel. Slices must be contiguous
-row ranges of the same weight (and bias, if any) placeholder; anything else is left alone.
+and this pass rewrites it to one ``linear(x, W[0:c])`` whose output columns are copied
+back out, contiguous (``out[..., 0:a].clone(memory_format=torch.contiguous_format)`` and
+so on): each projection's output has the shape and strides it had, so whatever reads it
+(views that merge or split the last dimension included) is unchanged, and Inductor fuses
+the copies into their readers (the rotary embedding, the SiLU) or, before an opaque op,
+runs one small copy. A strided column slice would not do: whether it is contiguous depends
+on whether the step has one token, so the first ``.contiguous()`` or view after it would
+make Dynamo's shape guards tell one-token steps from the others.
+
+Slices must be constant, contiguous row ranges of the same 2-D weight (and of the same
+bias, if any), and nothing between the first and the last of the linears may write to a
+tensor (the fused linear runs where the first one ran); anything else is left alone.
 """
 
 from __future__ import annotations
@@ -85,56 +94,61 @@ def _runs(members: list[_SlicedLinear]) -> list[list[_SlicedLinear]]:
     return [r for r in runs if len(r) > 1]
 
 
-def _head_view(node: torch.fx.Node) -> tuple[list[object], int, object] | None:
-    """(leading sizes, head size, head count) if ``node``'s one user is ``node.view(*lead, heads, d)``
-    (or ``reshape``) with a constant ``d``; the view node is ``next(iter(node.users))``."""
-    users = list(node.users)
-    if len(users) != 1:
-        return None
-    view = users[0]
-    if view.op != "call_method" or view.target not in ("view", "reshape") or view.args[0] is not node or view.kwargs:
-        return None
-    shape = list(view.args[1:])
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = list(shape[0])
-    if len(shape) < 2 or isinstance(shape[-1], bool) or not isinstance(shape[-1], int) or shape[-1] <= 0:
-        return None
-    return shape[:-2], shape[-1], shape[-2]
+def _mutates(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write to a tensor (in-place methods, item assignment, ops with a
+    mutable schema, or what FX counts as impure)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target is operator.setitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    return node.is_impure()
+
+
+def _is_matrix(node: torch.fx.Node) -> bool:
+    """Whether the weight ``node`` is 2-D, where Dynamo recorded it (else assumed: linear
+    weights are matrices, and a non-matrix one fails the unfused graph as well)."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return not isinstance(value, torch.Tensor) or value.dim() == 2
 
 
 class FuseSiblingLinearsPass:
-    """Merges linears of one input over adjacent row slices of one weight (module doc).
-
-    Where every projection's output is only viewed as heads of one size
-    (``.view(*lead, -1, d)``, as attention projections are), the fused output is viewed as
-    heads and each projection's heads are copied out contiguous
-    (``clone(memory_format=torch.contiguous_format)``, fused by Inductor into whatever reads
-    them, rotary for one). A strided slice would not do: whether it is contiguous depends on
-    whether the step has one token, so the first ``.contiguous()`` after it would make
-    Dynamo's shape guards tell one-token steps from the others, and give them a graph of
-    their own.
-    """
+    """Merges linears of one input over adjacent row slices of one weight (module doc)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         fused = 0
+        position: dict[torch.fx.Node, int] | None = None
         for x in list(graph.nodes):
             groups: dict[tuple[torch.fx.Node, torch.fx.Node | None], list[_SlicedLinear]] = {}
             for user in x.users:
                 m = _sliced_linear(user, x)
-                if m is not None:
+                if m is not None and _is_matrix(m.weight):
                     groups.setdefault((m.weight, m.bias), []).append(m)
             for members in groups.values():
                 for run in _runs(members) if len(members) > 1 else ():
-                    self._fuse(graph, x, run)
-                    fused += 1
+                    if position is None:  # (made once: fusing keeps the order of what is left)
+                        position = {n: i for i, n in enumerate(graph.nodes)}
+                    if self._fuse(graph, x, run, position):
+                        fused += 1
         if fused:
             logger.debug("fullcg: %d groups of sibling linears fused", fused)
 
-    def _fuse(self, graph: torch.fx.Graph, x: torch.fx.Node, run: list[_SlicedLinear]) -> None:
+    @staticmethod
+    def _fuse(graph: torch.fx.Graph, x: torch.fx.Node, run: list[_SlicedLinear],
+              position: dict[torch.fx.Node, int]) -> bool:
+        nodes = sorted((m.node for m in run), key=position.__getitem__)
+        first, last = nodes[0], nodes[-1]
+        node = first.next
+        while node is not last:  # the fused linear runs where the first did: nothing between may write
+            if _mutates(node):
+                return False
+            node = node.next
         lo, hi = run[0].start, run[-1].stop
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        first = min((m.node for m in run), key=position.__getitem__)
-        heads = self._heads(run, lo, position, position[first])
         old_slices = {m.node.args[1] for m in run} | {m.node.kwargs.get("bias", (list(m.node.args) + [None] * 3)[2])
                                                        for m in run}
         with graph.inserting_before(first):
@@ -143,47 +157,18 @@ class FuseSiblingLinearsPass:
             if run[0].bias is not None:
                 bias = graph.call_function(operator.getitem, (run[0].bias, slice(lo, hi, None)))
             out = graph.call_function(torch._C._nn.linear, (x, weight, bias))
-            if heads is None:
-                pieces = [graph.call_function(operator.getitem, (out, (Ellipsis, slice(m.start - lo, m.stop - lo))))
-                          for m in run]
-                replaced = [m.node for m in run]
-            else:
-                lead, d = heads
-                as_heads = graph.call_method("view", (out, *lead, -1, d))
-                pieces = [graph.call_method("clone", (graph.call_function(operator.getitem, (as_heads, (
-                    Ellipsis, slice((m.start - lo) // d, (m.stop - lo) // d), slice(None)))),),
-                    {"memory_format": torch.contiguous_format}) for m in run]
-                replaced = [next(iter(m.node.users)) for m in run]
+            pieces = [graph.call_method("clone", (graph.call_function(operator.getitem, (
+                out, (Ellipsis, slice(m.start - lo, m.stop - lo)))),), {"memory_format": torch.contiguous_format})
+                for m in run]
         # (After inserting: the insertion point is one of the nodes replaced.)
-        for old, piece in zip(replaced, pieces):
-            piece.meta.update(old.meta)  # Dynamo's example value: the shape readers downstream look at
-            old.replace_all_uses_with(piece)
-            graph.erase_node(old)
-        if heads is not None:
-            for m in run:
-                graph.erase_node(m.node)  # its one user, the view, was replaced
+        for m, piece in zip(run, pieces):
+            piece.meta.update(m.node.meta)  # the same shape and strides: Dynamo's example value holds
+            m.node.replace_all_uses_with(piece)
+            graph.erase_node(m.node)
         for node in old_slices:
             if isinstance(node, torch.fx.Node) and not node.users:
                 graph.erase_node(node)
-
-    @staticmethod
-    def _heads(run: list[_SlicedLinear], lo: int, position: dict[torch.fx.Node, int],
-               before: int) -> tuple[list[object], int] | None:
-        """(leading sizes, head size) when every output of ``run`` is only viewed as heads of
-        one size over the same leading sizes, known before the first linear; else None."""
-        views = [_head_view(m.node) for m in run]
-        if any(v is None for v in views):
-            return None
-        lead, d, _ = views[0]
-        for m, (lead_m, d_m, count) in zip(run, views):
-            rows = m.stop - m.start
-            if d_m != d or len(lead_m) != len(lead) or any(a is not b and a != b for a, b in zip(lead_m, lead)):
-                return None
-            if (m.start - lo) % d or rows % d or count not in (-1, rows // d):
-                return None
-        if any(isinstance(a, torch.fx.Node) and position[a] >= before for a in lead):
-            return None
-        return lead, d
+        return True
 
     def uuid(self) -> str:
         return source_hash(self)
