@@ -26,6 +26,11 @@ token's keys and values written when no separate save kernel does. These are min
 rows they touch); the other kernels' bytes (rotary, split-K reductions, fills) are not
 estimated ("-") and the total leaves them out. When the launches do not fit the pattern
 (another GEMM count, replays that differ), the table shows times only, with a warning.
+
+``--unfuse-residual-addmm`` turns off Inductor's mm + add -> addmm fusion for the run (its
+``should_prefer_unfused_addmm`` check answers yes): the residual add then goes to the
+RMSNorm kernel that reads the sum, instead of into the o_proj and down GEMMs as ``addmm``
+(which copies the residual into the GEMM's output first). For an A/B against the default.
 """
 
 from __future__ import annotations
@@ -467,6 +472,10 @@ def profile_gpu(args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     dev = torch.device("cuda")
+    if args.unfuse_residual_addmm:
+        import torch._inductor.fx_passes.post_grad as post_grad
+
+        post_grad.should_prefer_unfused_addmm = lambda match: True
     bw = copy_bandwidth(dev)
     results: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "args": vars(args),
                      "copy_bandwidth_TBps": bw / 1e12, "points": []}
@@ -523,6 +532,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top", type=int, default=0, help="print only the slowest rows (0: all)")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model's shapes and a synthetic replay")
+    ap.add_argument("--unfuse-residual-addmm", action="store_true",
+                    help="turn off Inductor's mm + add -> addmm fusion (an A/B of the residual add)")
     args = ap.parse_args(argv)
     results = smoke(args) if args.smoke else profile_gpu(args)
     if args.out:
