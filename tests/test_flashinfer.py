@@ -140,6 +140,35 @@ def test_plans_take_the_page_table_from_the_host_and_hand_flashinfer_page_locked
         assert torch.equal(pinned.kv_indices, want.kv_indices)
 
 
+@pytest.mark.parametrize(("slots", "decode"), [(None, False), (None, True), (7, False), (7, True)])
+def test_paged_indices_list_each_requests_pages_in_order_and_stand_ins_read_page_zero(
+    over_stand_in_flashinfer, slots, decode
+):
+    fi = over_stand_in_flashinfer
+    g = torch.Generator().manual_seed(1)
+    page = 4
+    q_lens = [1] * 5 if decode else [3, 1, 6, 1, 2]
+    p_lens = [int(x) for x in torch.randint(0, 20, (5,), generator=g)]
+    p_lens[1] = 0 if decode else p_lens[1]
+    table = torch.randperm(64, generator=g)[:40].view(5, 8).to(torch.int32)
+    md = fullcg.AttentionMetadata.build(q_lens, p_lens, table, page)
+    padded = md.num_tokens + (2 if not decode else 0)
+    idx = fi._paged_indices(md, slots, padded, decode)
+    kv = [q + p for q, p in zip(q_lens, p_lens)]
+    want_pages = [table[r, : -(-n // page)].tolist() for r, n in enumerate(kv)]
+    want_q, want_last = list(q_lens), [n - (-(-n // page) - 1) * page for n in kv]
+    if slots is not None:  # stand-ins: one token each (decode), or the first owns the padding rows
+        stand_in_q = [1] * (slots - 5) if decode else [padded - md.num_tokens] + [0] * (slots - 6)
+        want_q += stand_in_q
+        want_pages += [[0] * -(-max(r, 1) // page) for r in stand_in_q]
+        want_last += [max(r, 1) - (-(-max(r, 1) // page) - 1) * page for r in stand_in_q]
+    assert idx.qo_indptr.tolist() == [0, *torch.tensor(want_q).cumsum(0).tolist()]
+    assert idx.kv_indptr.tolist() == [0, *torch.tensor([len(p) for p in want_pages]).cumsum(0).tolist()]
+    assert idx.kv_indices.tolist() == [x for p in want_pages for x in p]
+    assert idx.last_page_len.tolist() == want_last
+    assert all(t.dtype == torch.int32 for t in (idx.qo_indptr, idx.kv_indptr, idx.kv_indices, idx.last_page_len))
+
+
 def test_a_window_over_a_prefix_chunk_and_a_factor_with_a_window_or_softcap_are_refused(over_stand_in_flashinfer):
     impl = over_stand_in_flashinfer.FlashInferAttention()
     b = make_batch([5, 3], [40, 20], num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16,

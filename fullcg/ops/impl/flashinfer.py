@@ -62,6 +62,7 @@ import dataclasses
 import math
 import weakref
 
+import numpy as np
 import torch
 
 try:
@@ -213,32 +214,32 @@ def _paged_indices(md: AttentionMetadata, slots: int | None, padded_rows: int, d
     With ``slots`` the request count is padded to ``slots``: a stand-in request owns the
     padding rows (``padded_rows - num_tokens``; for decode, one row per missing request)
     and reads page 0, so it never reaches outside the cache; its output is zeroed later.
+    Vector operations over the host page table (a plan of 256 requests is a few of them,
+    not 256 tensor slices).
     """
     ps = md.page_size
-    table = md.host_page_table()  # never a copy back from the device: see AttentionMetadata.host_page_table
-    q_lens = list(md.query_lens)
-    kv_lens = [q + p for q, p in zip(md.query_lens, md.prefix_lens)]
-    pages = [table[r, : math.ceil(n / ps)].to(_INT) for r, n in enumerate(kv_lens)]
-    last = [n - (math.ceil(n / ps) - 1) * ps for n in kv_lens]
+    q = np.asarray(md.query_lens, dtype=np.int64)
+    kv = q + np.asarray(md.prefix_lens, dtype=np.int64)
+    table = md.host_page_table().numpy()  # never a copy back from the device: see AttentionMetadata.host_page_table
+    counts = -(-kv // ps)
+    indices = table[np.arange(table.shape[1])[None, :] < counts[:, None]]  # row by row, in page order
     if slots is not None:
-        extra = slots - len(q_lens)
+        extra = slots - len(q)
         if extra < 0:
-            raise ValueError(f"flashinfer: {len(q_lens)} requests do not fit a CUDA-graph plan of {slots} slots")
-        pad_rows = padded_rows - md.num_tokens
-        for i in range(extra):
-            if decode:
-                rows = 1
-            else:
-                rows = pad_rows if i == 0 else 0
-            kv = max(rows, 1)
-            q_lens.append(rows)
-            pages.append(torch.zeros(math.ceil(kv / ps), dtype=_INT))
-            last.append(kv - (math.ceil(kv / ps) - 1) * ps)
-    qo = torch.zeros(len(q_lens) + 1, dtype=_INT)
-    qo[1:] = torch.tensor(q_lens, dtype=_INT).cumsum(0)
-    kv_indptr = torch.zeros(len(pages) + 1, dtype=_INT)
-    kv_indptr[1:] = torch.tensor([len(p) for p in pages], dtype=_INT).cumsum(0)
-    return _Indices(qo, kv_indptr, torch.cat(pages), torch.tensor(last, dtype=_INT))
+            raise ValueError(f"flashinfer: {len(q)} requests do not fit a CUDA-graph plan of {slots} slots")
+        pad_q = np.ones(extra, dtype=np.int64) if decode else np.zeros(extra, dtype=np.int64)
+        if extra and not decode:
+            pad_q[0] = padded_rows - md.num_tokens
+        pad_kv = np.maximum(pad_q, 1)
+        pad_counts = -(-pad_kv // ps)
+        q, kv, counts = np.concatenate([q, pad_q]), np.concatenate([kv, pad_kv]), np.concatenate([counts, pad_counts])
+        indices = np.concatenate([indices, np.zeros(int(pad_counts.sum()), dtype=indices.dtype)])
+    qo = np.zeros(len(q) + 1, dtype=np.int64)
+    np.cumsum(q, out=qo[1:])
+    kv_indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=kv_indptr[1:])
+    last = kv - (counts - 1) * ps
+    return _Indices(*(torch.from_numpy(a.astype(np.int32)) for a in (qo, kv_indptr, indices, last)))
 
 
 def _ragged_indices(md: AttentionMetadata, kind: _Kind, slots: int | None, padded_rows: int) -> _Indices:
