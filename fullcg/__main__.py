@@ -238,6 +238,9 @@ def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig) -> lis
         if args.head_dim is not None or args.v_head_dim is not None or args.num_kv_heads is not None:
             raise _UsageError("with --mla-rank, the head dims and the one KV head are the latent's: drop --head-dim, "
                               "--v-head-dim and --num-kv-heads (--mla-nope and --mla-v-head-dim give the MHA form's)")
+        if args.sliding_window is not None or args.logit_softcap is not None:
+            raise _UsageError("latent attention runs without a sliding window or logit soft-cap (fullcg refuses "
+                              "those over a latent cache): drop --sliding-window and --logit-softcap")
         rank, rope = args.mla_rank, args.mla_rope
         shapes = [LayerShape(heads, 1, rank + rope, rank, attends="latent", v_after_k=False, **common)]
         if config.mla_mha_min_tokens is not None:  # long prompts attend in MHA form, over given k/v
@@ -273,6 +276,24 @@ def build_kernels_command(args: argparse.Namespace) -> int:
     except (_UsageError, fullcg.errors.FullCGError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.capability is not None:
+        if not args.dry_run:
+            print("error: --capability plans for a GPU that is not here, so it only lists: add --dry-run (a build "
+                  "runs on the GPU it builds for)", file=sys.stderr)
+            return 2
+        try:
+            major, minor = (int(x) for x in args.capability.split("."))
+        except ValueError:
+            print(f"error: --capability {args.capability!r} is not MAJOR.MINOR (an H100 or H200 is 9.0)",
+                  file=sys.stderr)
+            return 2
+        kernels = kernel_build.plan_kernels(shapes, config, capability=(major, minor),
+                                            table_pages=config.max_pages_per_request or args.num_pages or 1)
+        print(f"fullcg build-kernels: attention_impl={config.attention_impl} on SM{major}{minor} (planned, not "
+              f"built): {len(kernels)} kernel(s)")
+        for k in kernels:
+            print(f"  {k.name}")
+        return 0
     if not torch.cuda.is_available():
         built = f"with CUDA {torch.version.cuda}" if torch.version.cuda else "for the CPU"
         print("error: build-kernels builds for the GPU it runs on, but torch sees no CUDA device "
@@ -359,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                    "wins): sizes skip-softmax decode without decode_split_tiles, nothing else")
     b.add_argument("--device", default="cuda", help="the GPU to build for: cuda (default: the current one) or cuda:N")
     b.add_argument("--dry-run", action="store_true", help="list the kernels, build nothing")
+    b.add_argument("--capability", help="with --dry-run: plan for a GPU of this compute capability (MAJOR.MINOR, "
+                   "9.0 for an H100/H200) on a machine without it")
     b.add_argument("-v", "--verbose", action="store_true", help="log what fullcg does")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

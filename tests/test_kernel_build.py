@@ -324,6 +324,19 @@ def test_build_kernels_without_a_gpu_says_how_to_run_it(capsys, monkeypatch):
     assert "CUDA build of torch" in err and len(err.strip().splitlines()) == 1
 
 
+def test_build_kernels_lists_for_a_capability_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("FULLCG_ATTENTION_IMPL", "triton")
+    assert main(["build-kernels", "--head-dim", "128", "--num-heads", "32", "--num-kv-heads", "8", "--dry-run",
+                 "--capability", "9.0"]) == 0
+    out = capsys.readouterr().out
+    assert "on SM90 (planned, not built): 4 kernel(s)" in out and "Triton decode+save (bfloat16, 32/8 heads of 128" in out
+    assert main(["build-kernels", "--model", "tiny", "--capability", "9.0"]) == 2
+    assert "add --dry-run" in capsys.readouterr().err
+    assert main(["build-kernels", "--model", "tiny", "--dry-run", "--capability", "sm90"]) == 2
+    assert "is not MAJOR.MINOR" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "say which layers: --model smollm2|tiny, or --head-dim and --num-heads"),
     (["--head-dim", "128"], "say which layers"),
@@ -333,6 +346,8 @@ def test_build_kernels_without_a_gpu_says_how_to_run_it(capsys, monkeypatch):
     (["--model", "tiny", "--dtype", "int8"], "--dtype 'int8' is not one fullcg attends in"),
     (["--mla-rank", "512", "--num-heads", "16"], "needs both --mla-rank and --mla-rope"),
     (["--mla-rank", "512", "--mla-rope", "64"], "--mla-rank needs --num-heads"),
+    (["--mla-rank", "512", "--mla-rope", "64", "--num-heads", "16", "--sliding-window", "8"],
+     "drop --sliding-window and --logit-softcap"),
     (["--model", "tiny", "--attention-impl", "nope"], "unknown --attention-impl 'nope'; choose auto, flashinfer"),
 ])
 def test_build_kernels_refuses_bad_flags_naming_the_fix(argv, message, capsys):
