@@ -464,13 +464,12 @@ def build_kernels(kernels: Sequence[Kernel], device: torch.device | str | int, c
         thread = threading.Thread(target=_build_flashinfer, args=(fi_todo, failures), name="fullcg-flashinfer-build",
                                   daemon=True)
         thread.start()
-    try:
-        # Every Triton kernel is compiled or loaded here, built or not: a real launch looks
-        # in the process's own cache first, then in Triton's directory, not in this one.
-        _build_triton(triton_kernels, set(tr_todo), device, config, directory, manifest, failures)
-    finally:
-        if thread is not None:
-            thread.join()
+    # Every Triton kernel is compiled or loaded here, built or not: a real launch looks in
+    # the process's own cache first, then in Triton's directory, not in this one. An
+    # interrupt here does not wait for the FlashInfer build: its thread is a daemon.
+    _build_triton(triton_kernels, set(tr_todo), device, config, directory, manifest, failures)
+    if thread is not None:
+        thread.join()
     manifest.save()
     seconds = time.perf_counter() - start
     if failures:
