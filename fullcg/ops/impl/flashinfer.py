@@ -159,14 +159,19 @@ class _Indices:
     last_page_len: torch.Tensor | None = None
 
     def pinned(self, device: torch.device) -> _Indices:
-        """These arrays in page-locked memory when the plan is for a GPU. FlashInfer's plans
-        copy them to the device with ``non_blocking=True``, and a copy from pageable memory
-        first waits for all the work queued on the stream: the host would wait for the
-        previous step to finish before it could plan this one."""
+        """These arrays for a plan on ``device``: on a GPU, the small ones page-locked and the
+        page list already sent to the device. FlashInfer's plans copy them with
+        ``non_blocking=True``, and a copy from pageable memory first waits for all the work
+        queued on the stream; a CUDA-graph wrapper copies a page list that is on the host
+        with a blocking copy. Either would make the host wait for the previous step to
+        finish before it could plan this one."""
         if device.type != "cuda":
             return self
-        return _Indices(*(None if t is None else t.pin_memory()
-                          for t in (self.qo_indptr, self.kv_indptr, self.kv_indices, self.last_page_len)))
+        pages = self.kv_indices
+        if pages is not None:
+            pages = pages.pin_memory().to(device, non_blocking=True)
+        return _Indices(self.qo_indptr.pin_memory(), self.kv_indptr.pin_memory(), pages,
+                        None if self.last_page_len is None else self.last_page_len.pin_memory())
 
 
 @dataclasses.dataclass
