@@ -26,11 +26,13 @@ ignored. New rows go into a latent cache through a save that writes each row onc
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 
 from fullcg import telemetry
 from fullcg.context import ForwardContext
+from fullcg.host_copy import upload
 from fullcg.kv_cache import KVCache
 from fullcg.metadata import AttentionMetadata
 from fullcg.ops.call import AttentionCall
@@ -173,7 +175,7 @@ class _Step:
             if len(set(starts)) == 1:
                 found = self.prefix_lens - starts[0]
             else:
-                found = self.prefix_lens - torch.tensor(starts, dtype=torch.int32, device=self.device)
+                found = self.prefix_lens - upload([np.asarray(starts, dtype=np.int32)], self.device)[0]
             found = self.chunk_positions[chunk] = found.to(torch.int32)
         return found
 
