@@ -151,6 +151,30 @@ def make_cache_dir(path: Path, *, shared: bool = False) -> Path:
     return path
 
 
+def usable_dir(root: Path, path: Path, *, trust_shared: bool, shared_modes: bool) -> Path | Untrusted | str:
+    """``path`` (below ``root``), created if missing, when it passes :func:`check_path`
+    (unless ``trust_shared``) and this user can write to it; else why not: the
+    :class:`Untrusted` path, or a sentence (it cannot be created, it is read-only).
+    ``shared_modes``: create it with the umask's modes (:func:`make_cache_dir`)."""
+    # Checked before creating it (nothing is made inside an untrusted root) and after
+    # (whoever made it first, this process or another).
+    for _ in range(2):
+        problem = None if trust_shared else check_path(root, path)
+        if problem is not None:
+            return problem
+        if os.path.isdir(path):  # False, not an error, where it cannot even be looked at
+            break
+        try:
+            make_cache_dir(path, shared=shared_modes)
+        except OSError as exc:
+            return f"cannot create {path} ({exc})"
+    # As the effective user, the one whose files will be written (and the one checked above).
+    effective = os.access in os.supports_effective_ids
+    if not os.access(path, os.W_OK | os.X_OK, effective_ids=effective):  # a read-only cache baked into an image
+        return f"{path} is read-only"
+    return path
+
+
 def entry_mode(shared: bool = False) -> int:
     """The mode an entry file is written with: 0600, or 0644 for a cache others read too
     (only the writer may change it either way; others replace it only through the directory)."""

@@ -151,9 +151,16 @@ def cache_for(config: FullCGConfig) -> CompileCache | None:
     if not (hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")):
         logger.info("fullcg: this torch (%s) cannot save compile cache artifacts; compile cache off", torch.__version__)
         return None
+    root, trust_shared = cache_root(config)
+    return CompileCache(root, trust_shared=trust_shared, secret=cache_trust.secret_from_env())
+
+
+def cache_root(config: FullCGConfig) -> tuple[Path, bool]:
+    """(the fullcg cache's root, whether it is shared on purpose): ``config.cache_dir``, else
+    ``$FULLCG_CACHE_DIR``, else ``~/.cache/fullcg``; shared when ``config.trust_shared_cache``
+    or ``FULLCG_TRUST_SHARED_CACHE`` says so. Read when called."""
     root = config.cache_dir or os.environ.get(ENV_CACHE_DIR, "").strip() or DEFAULT_CACHE_DIR
-    trust_shared = config.trust_shared_cache or _truthy_env(ENV_TRUST_SHARED_CACHE)
-    return CompileCache(Path(root).expanduser(), trust_shared=trust_shared, secret=cache_trust.secret_from_env())
+    return Path(root).expanduser(), config.trust_shared_cache or _truthy_env(ENV_TRUST_SHARED_CACHE)
 
 
 def _package_versions() -> tuple[str, str]:
@@ -389,28 +396,15 @@ class CompileCache:
         under the root when it passes the trust check (or the cache is shared on purpose)
         and can be written; else a private directory of this process (warned about when
         untrusted: no signing key covers what Inductor writes there)."""
-        wanted = self.root / "inductor"
-        # Checked before creating it (nothing is made inside an untrusted root) and after
-        # (whoever made it first, this process or another).
-        for _ in range(2):
-            problem = None if self.trust_shared else cache_trust.check_path(self.root, wanted)
-            if problem is not None:
-                self._warn_directory(problem)
-                return self._private_inductor_dir()
-            if os.path.isdir(wanted):  # False, not an error, where it cannot even be looked at
-                break
-            try:
-                cache_trust.make_cache_dir(wanted, shared=self._shared_modes)
-            except OSError as exc:
-                logger.info("fullcg: cannot create %s (%s); Inductor caches in a private directory of this process",
-                            wanted, exc)
-                return self._private_inductor_dir()
-        # As the effective user, the one whose files Inductor will write (and the one checked above).
-        effective = os.access in os.supports_effective_ids
-        if not os.access(wanted, os.W_OK | os.X_OK, effective_ids=effective):  # a read-only cache baked into an image
-            logger.info("fullcg: %s is read-only; Inductor caches in a private directory of this process", wanted)
-            return self._private_inductor_dir()
-        return wanted
+        usable = cache_trust.usable_dir(self.root, self.root / "inductor", trust_shared=self.trust_shared,
+                                        shared_modes=self._shared_modes)
+        if isinstance(usable, Path):
+            return usable
+        if isinstance(usable, cache_trust.Untrusted):
+            self._warn_directory(usable)
+        else:
+            logger.info("fullcg: %s; Inductor caches in a private directory of this process", usable)
+        return self._private_inductor_dir()
 
     @staticmethod
     def _private_inductor_dir() -> Path:

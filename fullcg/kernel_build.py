@@ -565,30 +565,20 @@ def kernel_dir(config: FullCGConfig) -> Path | None:
     ``$FULLCG_CACHE_DIR``, else ``~/.cache/fullcg``), created if missing, where the Triton
     kernels built ahead and their manifest are kept; None when it fails the cache's trust
     check (warned about once) or cannot be written: Triton's own directory is used then."""
-    from fullcg.compile_cache import DEFAULT_CACHE_DIR, ENV_CACHE_DIR, ENV_TRUST_SHARED_CACHE
+    from fullcg.compile_cache import cache_root
 
-    root = Path(config.cache_dir or os.environ.get(ENV_CACHE_DIR, "").strip() or DEFAULT_CACHE_DIR).expanduser()
-    wanted = root / "kernels"
-    shared = config.trust_shared_cache or os.environ.get(ENV_TRUST_SHARED_CACHE, "").strip().lower() in ("1", "true")
-    # Checked before creating it (nothing is made inside an untrusted root) and after.
-    for _ in range(2):
-        problem = None if shared else cache_trust.check_path(root, wanted)
-        if problem is not None:
-            log_once(("kernel dir", str(wanted)), logger, logging.WARNING,
-                     "fullcg: not keeping attention kernels in %s: %s is %s (Triton's own cache directory is used "
-                     "instead; see 'Caches and trust' in docs/configuration.md)", wanted, problem.path, problem.reason)
-            return None
-        if os.path.isdir(wanted):
-            break
-        try:
-            cache_trust.make_cache_dir(wanted, shared=shared)
-        except OSError as exc:
-            logger.info("fullcg: cannot create %s (%s); Triton's own cache directory is used", wanted, exc)
-            return None
-    if not os.access(wanted, os.W_OK | os.X_OK):
-        logger.info("fullcg: %s is read-only; Triton's own cache directory is used", wanted)
+    root, shared = cache_root(config)
+    usable = cache_trust.usable_dir(root, root / "kernels", trust_shared=shared, shared_modes=shared)
+    if isinstance(usable, cache_trust.Untrusted):
+        log_once(("kernel dir", str(root / "kernels")), logger, logging.WARNING,
+                 "fullcg: not keeping attention kernels in %s: %s is %s (Triton's own cache directory is used "
+                 "instead; see 'Caches and trust' in docs/configuration.md)", root / "kernels", usable.path,
+                 usable.reason)
         return None
-    return wanted
+    if isinstance(usable, str):
+        logger.info("fullcg: %s; Triton's own cache directory is used", usable)
+        return None
+    return usable
 
 
 def _triton_dir(directory: Path | None) -> str:
