@@ -96,9 +96,9 @@ def gather_prefix_chunk(
 ) -> None:
     """Pack chunk ``plan`` of every request's cached prefix into ``k_out``/``v_out``.
 
-    One gather for all requests: each packed row's slot is looked up through the page
-    table on the device (the page ids were checked when the metadata was built), so
-    nothing waits for the GPU.
+    One gather for all requests: each packed row's slot is looked up on the host, through
+    the page table the metadata keeps there (its page ids were checked when it was built),
+    and reaches the device in one copy that never waits for the GPU.
     """
     total = plan.offsets[-1]
     if total:
@@ -107,9 +107,9 @@ def gather_prefix_chunk(
         # Row i of request r holds prefix position starts[r] + (i - offsets[r]).
         pos = np.arange(total, dtype=np.int64) + np.repeat(
             np.asarray(plan.starts, dtype=np.int64) - np.asarray(plan.offsets[:-1], dtype=np.int64), lens)
-        rows_t, pos_t = upload([rows, pos], cache.k.device)
         page_size = cache.page_size
-        slots = md.page_table.to(cache.k.device)[rows_t, pos_t // page_size].long() * page_size + pos_t % page_size
+        pages = md.host_page_table().numpy()[rows, pos // page_size].astype(np.int64, copy=False)
+        (slots,) = upload([pages * page_size + pos % page_size], cache.k.device)
         flat_k = cache.k.view(-1, cache.num_kv_heads, cache.head_dim)
         flat_v = cache.v.view(-1, cache.num_kv_heads, cache.v_head_dim)
         k_out[:total] = flat_k.index_select(0, slots)
