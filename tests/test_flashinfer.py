@@ -134,9 +134,9 @@ def test_plans_take_the_page_table_from_the_host_and_hand_flashinfer_page_locked
                                     page_table=torch.zeros(8, 32, dtype=torch.int32))
     want, got = fi._paged_indices(md, None, md.num_tokens, False), fi._paged_indices(static, None, md.num_tokens, False)
     assert torch.equal(got.kv_indices, want.kv_indices) and got.kv_indices.any()
-    assert want.pinned(torch.device("cpu")) is want
+    assert want.for_plan(torch.device("cpu")) is want
     if torch.cuda.is_available():
-        pinned = want.pinned(torch.device("cuda"))
+        pinned = want.for_plan(torch.device("cuda"))
         assert all(t.is_pinned() for t in (pinned.qo_indptr, pinned.kv_indptr, pinned.last_page_len))
         assert pinned.kv_indices.is_cuda  # a CUDA-graph wrapper would copy a host page list blocking
         assert torch.equal(pinned.kv_indices.cpu(), want.kv_indices)

@@ -158,7 +158,7 @@ class _Indices:
     kv_indices: torch.Tensor | None = None
     last_page_len: torch.Tensor | None = None
 
-    def pinned(self, device: torch.device) -> _Indices:
+    def for_plan(self, device: torch.device) -> _Indices:
         """These arrays for a plan on ``device``: on a GPU, the small ones page-locked and the
         page list already sent to the device. FlashInfer's plans copy them with
         ``non_blocking=True``, and a copy from pageable memory first waits for all the work
@@ -444,7 +444,7 @@ class FlashInferAttention(AttentionImpl):
             # The decode wrapper takes one head dim for k and v; other shapes use the prefill one.
             decode = md.is_decode_only and shape.head_dim == shape.v_head_dim
             rows = slots if slots is not None else md.num_tokens
-            idx = _paged_indices(md, slots, rows, decode).pinned(shape.device)
+            idx = _paged_indices(md, slots, rows, decode).for_plan(shape.device)
             max_pages = 2 * cache.num_pages + 2 * (slots or 0) + 1
             if slots is not None and idx.kv_indices.numel() > max_pages:
                 raise ValueError(
@@ -467,7 +467,7 @@ class FlashInferAttention(AttentionImpl):
             kv_rows = 0
         else:
             rows = slots if slots is not None else md.num_tokens
-            idx = _ragged_indices(md, kind, slots, rows).pinned(shape.device)
+            idx = _ragged_indices(md, kind, slots, rows).for_plan(shape.device)
             wrapper = self._wrapper(shape, kind, False, slots, 0, backend)
             causal = kind[0] == "ragged" and kind[1]
             wrapper.plan(
@@ -485,7 +485,7 @@ class FlashInferAttention(AttentionImpl):
         """The MLA wrapper for this batch (CUDA-graph one with ``slots``), planned: every request
         over its prefix and new tokens, causal; padding requests as the paged wrappers have them."""
         rows = slots if slots is not None else md.num_tokens
-        idx = _paged_indices(md, slots, rows, md.is_decode_only).pinned(shape.device)
+        idx = _paged_indices(md, slots, rows, md.is_decode_only).for_plan(shape.device)
         max_pages = 2 * cache.num_pages + 2 * (slots or 0) + 1
         if slots is not None and idx.kv_indices.numel() > max_pages:
             raise ValueError(
@@ -503,7 +503,7 @@ class FlashInferAttention(AttentionImpl):
         wrapper = self._wrapper(shape, kind, False, slots, max_pages, self._mla_backend_for(shape.device))
         lens = flashinfer_mla.kv_lens(idx.kv_indptr, idx.last_page_len, md.page_size)
         if shape.device.type == "cuda":
-            lens = lens.pin_memory()  # (see _Indices.pinned)
+            lens = lens.pin_memory()  # (see _Indices.for_plan)
         first = self._mla_launches.get(id(wrapper)) if slots is not None else None
         launch = flashinfer_mla.plan(
             wrapper, idx.qo_indptr, idx.kv_indptr, idx.kv_indices, lens, num_heads=shape.num_qo_heads,
