@@ -120,9 +120,13 @@ def test_bad_shapes_and_weights_name_what_mla_expects():
         fullcg.MLAAttention(H, 0, NOPE, ROPE, VDIM, layer_id=0)
 
 
-def test_an_implementation_that_reads_v_as_contiguous_refuses_a_latent_cache():
+def test_an_implementation_that_reads_v_as_contiguous_refuses_a_latent_cache(monkeypatch):
+    import fullcg.ops.impl
     from fullcg.ops.impl import register_implementation
     from fullcg.ops.impl.reference import ReferenceAttention
+
+    # A throwaway registry: the stand-in must not outlive the test (other tests list the choices).
+    monkeypatch.setattr(fullcg.ops.impl, "_registry", dict(fullcg.ops.impl._registry))
 
     class ContiguousOnly(ReferenceAttention):
         name = "contiguous-only"
