@@ -117,6 +117,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     base = fullcg.FullCGConfig(
         graph_mode=args.graph_mode, capture_sizes=tuple(args.capture_sizes),
         attention_impl=args.attention_impl or ("triton" if device.type == "cuda" else "reference"),
+        trace_layers_once=not args.no_trace_layers_once,
     )
     try:
         config = base.replace(compiler=args.compiler)
@@ -211,6 +212,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "fullcg_cache": dict(fullcg.compile_cache.cache_stats()),
         "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
         "steps": dict(fullcg.graph_mode_counts()),
+        "trace_layers_once": config.trace_layers_once,
+        # (layer calls, distinct regions Dynamo traced) per compiled graph: (32, 1) = one layer traced.
+        "layer_regions": [list(r.regions) for r in getattr(compiled, "runners", [])],
         # Triton kernels compiled (or loaded from Triton's cache) per phase, by kernel name.
         "triton_kernels": {phase: dict(names) for phase, names in compiles.by_phase.items()},
         "triton_specialisations": sorted(compiles.specialisations),
@@ -358,6 +362,7 @@ def _spawn(args: argparse.Namespace, device: str, model: str, compiler: str, dir
         "--worker", "--device", device, "--model", model, "--graph-mode", args.graph_mode, "--compiler", compiler,
         "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
         *(["--layers", str(args.layers)] if args.layers else []),
+        *(["--no-trace-layers-once"] if args.no_trace_layers_once else []),
         "--capture-sizes", *map(str, args.capture_sizes),
         *(["--profile-out", profile_out] if profile_out else []),
         # An implementation named for the main device (triton) would not run the CPU measurement.
@@ -476,6 +481,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None,
                     help="layers of the model (default: the preset's); e.g. the tiny model at 32 layers on a CPU")
     ap.add_argument("--graph-mode", default="full_and_piecewise")
+    ap.add_argument("--no-trace-layers-once", action="store_true",
+                    help="trace every layer (FullCGConfig.trace_layers_once=False), for comparison")
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=DEFAULT_CAPTURE_SIZES)
     ap.add_argument("--attention-impl", default=None, help="default: triton on cuda, reference on cpu")
     ap.add_argument("--batch", type=int, default=4, help="requests in the prefill and decode steps")

@@ -35,10 +35,12 @@ from fullcg.cudagraph import BridgedPiece, CapturedPiece
 from fullcg.debug import GraphDump, decompiled_caller_source, split_report
 from fullcg.eager_capture import EagerCaptureModel
 from fullcg.passes import AttributesPass, PassManager, SplitGraph, SplitPointsPass, split_graph
+from fullcg.passes.attributes import resolve_layer_keys
 from fullcg.passes.piece_key import piece_key
 from fullcg.passes.sibling_linears import FuseSiblingLinearsPass
 from fullcg.passes.split import Piece, reads_host_plan
 from fullcg.dispatch import CompiledModel
+from fullcg.regions import inline_regions, region_calls
 from fullcg.runner import InputStager, PieceCall, StepRunner
 from fullcg.telemetry import StepCounts, model_counts
 
@@ -361,6 +363,20 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             "fullcg: the model was compiled with autograd enabled; fullcg compiles inference steps and runs "
             "them without recording gradients (wrap steps in torch.inference_mode() to silence this)"
         )
+    regions = region_calls(gm)
+    if regions[0]:
+        logger.info("fullcg: Dynamo traced %d distinct layer region(s) for %d layer calls", regions[1], regions[0])
+    gm = inline_regions(gm, make_graph_module)
+    resolve_layer_keys(gm, example_inputs)
+    runner = _cached_compile(gm, example_inputs, config, counts)
+    runner.regions = regions
+    return runner
+
+
+def _cached_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig,
+                    counts: StepCounts | None) -> StepRunner:
+    """:func:`_compile_graph` inside a compile-cache session (when the cache is on), once
+    more without any cache if the session fails outside a piece."""
     cache = compile_cache.cache_for(config)
     with torch.no_grad():
         if cache is None:

@@ -300,6 +300,13 @@ class FullCGConfig:
             process); on also with ``FULLCG_TRUST_SHARED_CACHE=1`` (read when a graph is
             compiled). Off, only what you or root own and nobody else can write is used
             (:mod:`fullcg.cache_trust`).
+        mla_mha_min_tokens: multi-head latent attention runs a step in MHA form (chunked
+            prefix) when no request decodes and one has at least this many new tokens; None
+            = always absorbed (see :mod:`fullcg.mla`).
+        trace_layers_once: ``fullcg.compile`` marks a model's repeated layers (a
+            ``ModuleList`` of one class holding fullcg attention) as nested compile regions,
+            so Dynamo traces one layer and reuses its graph for the others
+            (:mod:`fullcg.regions`; torch 2.13 and later, skipped on older versions).
     """
 
     attention_impl: str = "auto"
@@ -318,6 +325,7 @@ class FullCGConfig:
     cache_dir: str | None = None
     trust_shared_cache: bool = False
     mla_mha_min_tokens: int | None = 2048
+    trace_layers_once: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
@@ -367,7 +375,7 @@ class FullCGConfig:
             _positive_int(self.auto_full_max_tokens, "auto_full_max_tokens")
         if self.mla_mha_min_tokens is not None:
             _positive_int(self.mla_mha_min_tokens, "mla_mha_min_tokens")
-        for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache"):
+        for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache", "trace_layers_once"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.trust_shared_cache, bool):

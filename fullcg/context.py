@@ -65,6 +65,8 @@ class CacheOwner:
     """
 
     layer_id: int
+    #: ``[layer_id, kv_cache uid]``, int64 on the CPU: the identity the layer's ops read at run time.
+    layer_key: torch.Tensor
     kv_cache: KVCache | None
 
 
@@ -506,6 +508,15 @@ def skip_softmax_factors(layer_id: int | None = None) -> tuple[float | None, flo
     if layer_id is None or not state.layer_factors:
         return default
     return layer_factors(state.layer_factors, layer_id, default)
+
+
+def layer_skip_softmax_factors(layer: CacheOwner) -> tuple[float | None, float | None]:
+    """:func:`skip_softmax_factors` of ``layer``, reading its ``layer_id`` only when some
+    layer has factors of its own: traced code that never reads it is the same for every layer."""
+    state = _state
+    if not state.layer_factors:
+        return state.prefill_factor, state.decode_factor
+    return skip_softmax_factors(layer.layer_id)
 
 
 def prefix_chunk_tokens() -> int:

@@ -10,7 +10,8 @@ has compiled a graph, :class:`DirectDispatch` learns how Dynamo called its runne
 calls it the same way:
 
 - the graph's inputs are the step's arguments (by position), the token count (for
-  symbolic sizes), and tensors of the model (parameters and buffers, at fixed addresses);
+  symbolic sizes), and tensors of the model (parameters, buffers and the attention
+  layers' keys, at fixed addresses);
 - the step's arguments have the dtypes, devices and non-token shapes Dynamo saw;
 - the token count is one the runner's graph serves (:func:`fullcg.backend.token_count_guard`);
 - the static facts of the step that the graph's guards read (:func:`fullcg.context.static_facts`;
@@ -105,6 +106,13 @@ class DirectDispatch:
         runner, graph_args, out = calls[0]
         stager = runner.stager
         ctx = context.current_context()
+        if ctx is not None and self._kv_caches is not None and ctx.kv_caches is not self._kv_caches \
+                and ctx.kv_caches != self._kv_caches:
+            # The model's caches changed (a layer got a new cache): the routes learned so far
+            # were learned on the old ones; the runners capture their full graphs anew.
+            self._routes.clear()
+            self._by_key.clear()
+            self._kv_caches = None
         facts_read = self._facts_read.get(id(runner))
         if stager is None or ctx is None or facts_read is None or any(r.runner is runner for r in self._routes):
             return
@@ -112,7 +120,8 @@ class DirectDispatch:
         if any(a.shape[0] != n for a in args):
             return
         user_slots, template = [], list(graph_args)
-        model_tensors = {id(t) for t in (*self._model.parameters(), *self._model.buffers())}
+        keys = (m.layer_key for m in self._model.modules() if isinstance(m, context.CacheOwner))
+        model_tensors = {id(t) for t in (*self._model.parameters(), *self._model.buffers(), *keys)}
         for pos, value in enumerate(graph_args):
             if pos in stager.size_args:
                 continue
@@ -134,10 +143,6 @@ class DirectDispatch:
             return
         for pos, _ in user_slots:
             template[pos] = None  # not kept alive: filled in by every step
-        if self._kv_caches is not None and ctx.kv_caches is not self._kv_caches and ctx.kv_caches != self._kv_caches:
-            # The model's caches changed (a layer got a new cache): the routes learned so far
-            # hold graphs made for the old ones, which must never run on the new map.
-            self._routes.clear()
         self._signature = signature
         self._kv_caches = ctx.kv_caches
         facts = context.static_facts()
@@ -200,6 +205,10 @@ class CompiledModel:
         self._direct = None if backend.config.debug_checks else DirectDispatch(model, backend.runners)
         self._positions = positions_argument(model) if backend.config.debug_checks else None
         options = {"guard_filter_fn": self._direct.note_guards} if self._direct is not None else None
+        if backend.config.trace_layers_once:
+            from fullcg.regions import mark_repeated_layers
+
+            mark_repeated_layers(model)
         self._compiled = torch.compile(model, backend=backend, options=options)
 
     @property

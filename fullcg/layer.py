@@ -10,7 +10,7 @@ from torch import nn
 from fullcg import context
 from fullcg.context import CacheOwner
 from fullcg.kv_cache import KVCache
-from fullcg.ops.attention import ATTENTION_OPS
+from fullcg.ops.attention import ATTENTION_OPS, LAYER_FROM_KEY
 
 __all__ = ["Attention", "fold_sinks"]
 
@@ -120,12 +120,42 @@ class Attention(nn.Module, CacheOwner):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        with torch.inference_mode(False):  # updated in place when the layer gets a cache, whatever the mode
+            #: The layer's identity as its ops read it when they run: ``[layer_id, uid of its
+            #: KV cache (0: none)]``, int64, on the CPU whatever the model's device (a plain
+            #: attribute: ``.to()`` leaves it). A graph input rather than constants, so every
+            #: layer traces to the same graph (see ``fullcg.ops.attention``).
+            self.layer_key = torch.tensor([layer_id, 0], dtype=torch.int64, device="cpu")
         self.layer_id = layer_id
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
         self.sliding_window = sliding_window
         self.logit_softcap = float(logit_softcap) if logit_softcap is not None else None
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self._kv_cache: KVCache | None = None
+        # Plain attributes, so traced code reads constants instead of lifting the cache tensors.
+        self._kv_dtype: torch.dtype | None = None
+        self._kv_device: torch.device | None = None
+
+    def __setstate__(self, state: dict) -> None:
+        # A copied or unpickled layer holds another cache (a copy is a new cache, with a new
+        # uid): its key must name that one, not the original's.
+        super().__setstate__(state)
+        cache = self.__dict__.get("_kv_cache")
+        with torch.inference_mode(False):
+            self.layer_key = torch.tensor([self._layer_id, cache.uid if cache is not None else 0], dtype=torch.int64)
+
+    @property
+    def layer_id(self) -> int:
+        """Unique per layer of a model; names the layer's KV cache and counters."""
+        return self._layer_id
+
+    @layer_id.setter
+    def layer_id(self, layer_id: int) -> None:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
+            raise ValueError(f"Attention: layer_id must be a non-negative integer, got {layer_id!r}")
+        self._layer_id = layer_id
+        self.layer_key[0] = layer_id
+        context.forget_kv_caches()  # caches are found by layer id
 
     def extra_repr(self) -> str:
         return (
@@ -161,9 +191,8 @@ class Attention(nn.Module, CacheOwner):
                 f"{self.num_kv_heads} kv heads of {self.head_dim}"
             )
         self._kv_cache = cache
-        if cache is not None:
-            # Plain attributes, so traced code reads constants instead of lifting the cache tensors.
-            self._kv_dtype, self._kv_device = cache.k.dtype, cache.k.device
+        self._kv_dtype, self._kv_device = (cache.k.dtype, cache.k.device) if cache is not None else (None, None)
+        self.layer_key[1] = cache.uid if cache is not None else 0
         context.forget_kv_caches()
 
     def _as_3d(self, x: torch.Tensor, name: str, heads: int, dim: int) -> torch.Tensor:
@@ -230,18 +259,18 @@ class Attention(nn.Module, CacheOwner):
                 f"got shape {tuple(sinks.shape)}"
             )
         out = torch.empty((q3.shape[0], self.num_heads, self.v_head_dim), dtype=q3.dtype, device=q3.device)
-        prefill_factor, decode_factor = context.skip_softmax_factors(self.layer_id)
+        prefill_factor, decode_factor = context.layer_skip_softmax_factors(self)
         # The plain op, whatever the step: the runner that runs the step decides where it is
         # split (the compile backend makes every attention node a split point; capture
         # without a compiler splits at attention calls while it captures piecewise).
         op = ATTENTION_OPS[(False, bool(return_lse) or sinks is not None)]
         lse = op(
-            q3, k3, v3, out, self.layer_id, key_value_num_tokens, prefill_factor, decode_factor, scale,
+            q3, k3, v3, out, LAYER_FROM_KEY, key_value_num_tokens, prefill_factor, decode_factor, scale,
             use_kv_cache, causal, prefix_chunk, use_kv_cache if save_kv_cache is None else save_kv_cache,
-            self.sliding_window, self.logit_softcap,
-            # The cache's uid: the op checks the step's cache for this layer is this one. Dynamo
-            # guards on it, so a layer given a new cache (new addresses) compiles anew.
-            self._kv_cache.uid if self._kv_cache is not None else 0,
+            self.sliding_window, self.logit_softcap, 0,
+            # Layer id and cache uid, read when the op runs (the op checks the step's cache
+            # for this layer is this one): every layer traces to the same graph.
+            self.layer_key,
         )
         if sinks is not None:
             out, lse = fold_sinks(out, lse, sinks)
@@ -277,10 +306,10 @@ class Attention(nn.Module, CacheOwner):
             raise ValueError(f"Attention(layer_id={self.layer_id}): scale must be a positive finite number, got {scale!r}")
         q3 = self._as_3d(q, "q", self.num_heads, self.head_dim)
         out3 = self._as_3d(out, "out", self.num_heads, self.v_head_dim)
-        prefill_factor, decode_factor = context.skip_softmax_factors(self.layer_id)
+        prefill_factor, decode_factor = context.layer_skip_softmax_factors(self)
         torch.ops.fullcg.merge_prefix_chunks.default(
-            q3, out3, lse, self.layer_id, prefill_factor, decode_factor, scale,
-            self._kv_cache.uid if self._kv_cache is not None else 0, self.sliding_window, self.logit_softcap,
+            q3, out3, lse, LAYER_FROM_KEY, prefill_factor, decode_factor, scale, 0, self.sliding_window,
+            self.logit_softcap, self.layer_key,
         )
 
     def gather_prefix_chunk(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,10 +318,10 @@ class Attention(nn.Module, CacheOwner):
         Rows: ``metadata.prefix_chunk_tokens`` (a fixed size, so graphs do not depend on
         request lengths); the packing is ``metadata.prefix_chunks[chunk]``.
         """
-        if self.kv_cache is None:
+        if self._kv_dtype is None:  # (not the cache itself: traced code reads constants)
             raise RuntimeError(f"Attention(layer_id={self.layer_id}) has no KV cache; call allocate_kv_cache first")
         rows = context.prefix_chunk_tokens()
         k = torch.empty((rows, self.num_kv_heads, self.head_dim), dtype=self._kv_dtype, device=self._kv_device)
         v = torch.empty((rows, self.num_kv_heads, self.v_head_dim), dtype=self._kv_dtype, device=self._kv_device)
-        torch.ops.fullcg.gather_prefix_chunk.default(k, v, self.layer_id, chunk)
+        torch.ops.fullcg.gather_prefix_chunk.default(k, v, LAYER_FROM_KEY, chunk, self.layer_key)
         return k, v

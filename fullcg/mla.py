@@ -37,7 +37,7 @@ from torch import nn
 from fullcg import context
 from fullcg.kv_cache import KVCache
 from fullcg.layer import Attention, _NoBackward
-from fullcg.ops.attention import ATTENTION_OPS
+from fullcg.ops.attention import ATTENTION_OPS, LAYER_FROM_KEY
 
 __all__ = ["MLAAttention", "allocate_latent_cache"]
 
@@ -157,12 +157,12 @@ class MLAAttention(nn.Module):
         """
         T = q_nope.shape[0]
         heads, rank = self.num_heads, self.kv_lora_rank
-        where = f"MLAAttention(layer_id={self.layer_id})"
         expected = {"q_nope": (q_nope, (T, heads, self.qk_nope_head_dim)), "q_pe": (q_pe, (T, heads, self.qk_rope_head_dim)),
                     "latent": (latent, (T, rank)), "k_pe": (k_pe, (T, self.qk_rope_head_dim))}
         for name, (t, shape) in expected.items():
             if tuple(t.shape) != shape:
-                raise ValueError(f"{where}: {name} must have shape {list(shape)}, got {tuple(t.shape)}")
+                raise ValueError(
+                    f"MLAAttention(layer_id={self.layer_id}): {name} must have shape {list(shape)}, got {tuple(t.shape)}")
         if context.mla_mha_step():
             return self._mha_form(q_nope, q_pe, latent, k_pe, kv_b_weight, return_lse)
         w_uk, w_uv = self.split_kv_b(kv_b_weight)
@@ -191,27 +191,26 @@ class MLAAttention(nn.Module):
         + v) multiply-adds against 2 x (rank + rope + rank) absorbed."""
         self.split_kv_b(kv_b_weight)  # checks its shape
         T, heads = q_nope.shape[0], self.num_heads
-        nope, v_dim, layer_id = self.qk_nope_head_dim, self.v_head_dim, self.layer_id
+        nope, v_dim = self.qk_nope_head_dim, self.v_head_dim
         kv = torch.nn.functional.linear(latent, kv_b_weight.to(latent.dtype)).view(T, heads, nope + v_dim)
         k = torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(T, heads, self.qk_rope_head_dim)], dim=-1)
         v = kv[..., nope:].contiguous()
         q = torch.cat([q_nope, q_pe], dim=-1)
         out = q.new_empty((T, heads, v_dim))
-        prefill_factor, decode_factor = context.skip_softmax_factors(layer_id)
-        scale = self.attn.scale
+        prefill_factor, decode_factor = context.layer_skip_softmax_factors(self.attn)
+        scale, key = self.attn.scale, self.attn.layer_key  # the layer's identity, read when the ops run
         lse = ATTENTION_OPS[(False, True)](
-            q, k, v, out, layer_id, None, prefill_factor, decode_factor, scale,
-            False, True, None, False, None, None, 0,  # over the given k/v, causal, saving nothing
+            q, k, v, out, LAYER_FROM_KEY, None, prefill_factor, decode_factor, scale,
+            False, True, None, False, None, None, 0, key,  # over the given k/v, causal, saving nothing
         )
-        cache = self.attn.kv_cache
         torch.ops.fullcg.merge_latent_prefix_chunks.default(
-            q, out, lse, torch.cat([latent, k_pe], dim=-1), kv_b_weight, layer_id, prefill_factor, decode_factor,
-            scale, cache.uid if cache is not None else 0,
+            q, out, lse, torch.cat([latent, k_pe], dim=-1), kv_b_weight, LAYER_FROM_KEY, prefill_factor,
+            decode_factor, scale, 0, key,
         )
         if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
             t.requires_grad for t in (q_nope, q_pe, latent, k_pe, kv_b_weight)
         ):
             inputs = (q_nope, q_pe, latent, k_pe, kv_b_weight)
-            out = _NoBackward.apply(layer_id, out, *inputs)
-            lse = _NoBackward.apply(layer_id, lse, *inputs)
+            out = _NoBackward.apply(self.layer_id, out, *inputs)
+            lse = _NoBackward.apply(self.layer_id, lse, *inputs)
         return (out, lse) if return_lse else out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -347,6 +347,11 @@ class StepRunner:
         self._full_ok: bool | None = None
         #: The split report of the graph this runner runs (see fullcg.debug.split_report).
         self.report = ""
+        #: ``(layer calls, distinct regions)`` Dynamo traced as nested compile regions
+        #: (:mod:`fullcg.regions`): ``(32, 1)`` when one layer's trace served all 32.
+        self.regions = (0, 0)
+        self._kv_caches: Mapping[int, Any] | None = None  # the caches full graphs were captured on
+        self._cache_uids: tuple[tuple[int, int], ...] = ()
 
     # ------------------------------------------------------------------ policy
 
@@ -388,7 +393,9 @@ class StepRunner:
         ctx = get_forward_context()
         if self._first_call:
             self._first_step(args, ctx)
-        elif self.captures and getattr(_capture, "requested", False):
+        elif ctx.kv_caches is not self._kv_caches:
+            self._note_caches(ctx)
+        if self.captures and getattr(_capture, "requested", False):
             _take_capture_request()
             self.capture_all(args, ctx)
         md = ctx.metadata
@@ -431,14 +438,33 @@ class StepRunner:
             hook, self.on_first_call = self.on_first_call, None
             hook()
         self.full_capture_ok()  # decided (and warned about) once
-        # The caches of a compiled model: an eager step over them is its fallback (see telemetry).
-        for cache in ctx.kv_caches.values():
-            cache.compiled_counts = self.counts
+        self._note_caches(ctx)
         self._first_call = False  # only now: a step that failed above sets up again
         if self.captures:  # compilers run before any capture, not inside the first one
             kernel_build.before_capture(ctx, self.config)
         if self.captures and (_take_capture_request() or self.config.capture_on_compile):
             self.capture_all(args, ctx)
+
+    def _note_caches(self, ctx: ForwardContext) -> None:
+        """Remember the step's KV caches; when a layer's cache is another than the one the
+        full graphs were captured on (they hold its addresses), drop those graphs: they are
+        captured again on the new caches when next used. (The layers' ops read their caches
+        when they run, so nothing compiled depends on them.)"""
+        caches = ctx.kv_caches
+        uids = tuple((layer, cache.uid) for layer, cache in caches.items())
+        if uids != self._cache_uids:
+            if self.full_graphs:
+                logger.info("fullcg: the model's KV caches changed; its %d full CUDA graphs are captured again on "
+                            "the new ones when next used", len(self.full_graphs))
+            self.full_graphs.clear()
+            self._planners.clear()
+            self.static_metadata.clear()
+            self.tables = None  # sized for the caches' page count
+            self._cache_uids = uids
+            # The caches of a compiled model: an eager step over them is its fallback (see telemetry).
+            for cache in caches.values():
+                cache.compiled_counts = self.counts
+        self._kv_caches = caches
 
     def _run_piecewise(self, ctx: ForwardContext, staged: list[Any], size: int) -> Any:
         with derived_context(ctx, config=self.config, variant=GraphMode.PIECEWISE, padded_size=size):

@@ -147,3 +147,25 @@ def test_attention_ops_pass_opcheck_on_cuda(impl):
     with fullcg.forward_context(md, b.layer, config=config):
         for op in fullcg.ops.ATTENTION_OPS.values():
             torch.library.opcheck(op, (q, k, v, torch.empty_like(q), 0))
+
+
+@pytest.mark.parametrize("graph_mode", ["full", "full_and_piecewise"])
+def test_full_graphs_are_captured_again_when_the_layers_get_new_caches(graph_mode):
+    # The layers' ops read their caches when they run (nothing compiled depends on them);
+    # captured full graphs hold the old caches' addresses and must not replay on the new ones.
+    torch._dynamo.reset()
+    fullcg.reset_graph_mode_counts()
+    config = fullcg.FullCGConfig(attention_impl="triton", graph_mode=graph_mode, capture_sizes=(1, 2, 4, 8, 16, 32, 64))
+    eager, model = _pair("tiny")
+    compiled = fullcg.compile(model, config)
+    worst, _ = _run(eager, model, compiled, config)
+    assert worst < 3e-2
+    captured = len(compiled.runners[0].full_graphs)
+    assert captured > 0
+    for m in (eager, model):
+        m.allocate_kv_cache(num_pages=96, page_size=16)  # new caches, of another size
+    worst, steps = _run(eager, model, compiled, config)
+    assert worst < 3e-2, f"relative difference {worst}"
+    assert len(compiled.runners) == 1  # not compiled again
+    counts = fullcg.graph_mode_counts()
+    assert counts["full:captured"] > 0, counts

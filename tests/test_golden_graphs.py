@@ -36,6 +36,11 @@ def _dynamo_graph(chunked_prefix: bool) -> torch.fx.GraphModule:
     return graphs[0]
 
 
+def _value(value: object) -> str:
+    # A graph input (a layer's key) by its name: the module path it was read from.
+    return f"%{value.name}" if isinstance(value, torch.fx.Node) else str(value)
+
+
 def _describe(gm: torch.fx.GraphModule) -> str:
     """Pieces in call order, what each holds, and every fullcg node with its attributes."""
     PassManager([AttributesPass(fullcg.SkipSoftmaxConfig(64.0, 4.0)), SplitPointsPass()])(gm.graph)
@@ -49,9 +54,9 @@ def _describe(gm: torch.fx.GraphModule) -> str:
         lines.append(f"{piece.name} [{kind}]")
         for n in fullcg_nodes:
             if n.target in ATTENTION_OPS.values():
-                attrs = ", ".join(f"{k}={v}" for k, v in zip(ATTRIBUTE_NAMES, n.args[4:]))
+                attrs = ", ".join(f"{k}={_value(v)}" for k, v in zip(ATTRIBUTE_NAMES, n.args[4:]))
             elif n.target is torch.ops.fullcg.merge_prefix_chunks.default:
-                attrs = ", ".join(f"{k}={node_attribute(n, k)}" for k in MERGE_PREFIX_ATTRIBUTES)
+                attrs = ", ".join(f"{k}={_value(node_attribute(n, k))}" for k in MERGE_PREFIX_ATTRIBUTES)
             else:
                 attrs = ", ".join("%" if isinstance(a, torch.fx.Node) else str(a) for a in n.args)
             lines.append(f"  {n.target}({attrs})")
@@ -64,10 +69,10 @@ class TestGoldenSplit(expecttest.TestCase):
         self.assertExpectedInline(_describe(_dynamo_graph(chunked_prefix=False)), """\
 submod_0 [compiled]
 submod_1 [breakable]
-  fullcg.breakable_attention.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#)
+  fullcg.breakable_attention.default(layer_id=-1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#, layer=%l_self_modules_layers_modules_0_modules_self_attn_modules_attn_layer_key)
 submod_2 [compiled]
 submod_3 [breakable]
-  fullcg.breakable_attention.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#)
+  fullcg.breakable_attention.default(layer_id=-1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=True, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#, layer=%l_self_modules_layers_modules_1_modules_self_attn_modules_attn_layer_key)
 submod_4 [compiled]""")
 
     def test_chunked_prefix_model_splits_at_the_suffix_attention_and_at_the_prefix_chunk_merge(self):
@@ -75,12 +80,12 @@ submod_4 [compiled]""")
         self.assertExpectedInline(_describe(_dynamo_graph(chunked_prefix=True)), """\
 submod_0 [compiled]
 submod_1 [breakable]
-  fullcg.breakable_attention_with_lse.default(layer_id=0, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#)
+  fullcg.breakable_attention_with_lse.default(layer_id=-1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#, layer=%l_self_modules_layers_modules_0_modules_self_attn_modules_attn_layer_key)
 submod_3 [breakable]
-  fullcg.merge_prefix_chunks.default(layer_id=0, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#, sliding_window=None, logit_softcap=None)
+  fullcg.merge_prefix_chunks.default(layer_id=-1, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#, sliding_window=None, logit_softcap=None, layer=%l_self_modules_layers_modules_0_modules_self_attn_modules_attn_layer_key)
 submod_4 [compiled]
 submod_5 [breakable]
-  fullcg.breakable_attention_with_lse.default(layer_id=1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#)
+  fullcg.breakable_attention_with_lse.default(layer_id=-1, key_value_num_tokens=None, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, use_kv_cache=False, causal=True, prefix_chunk=None, save_kv_cache=True, sliding_window=None, logit_softcap=None, kv_cache_id=#, layer=%l_self_modules_layers_modules_1_modules_self_attn_modules_attn_layer_key)
 submod_7 [breakable]
-  fullcg.merge_prefix_chunks.default(layer_id=1, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#, sliding_window=None, logit_softcap=None)
+  fullcg.merge_prefix_chunks.default(layer_id=-1, skip_softmax_prefill_scale_factor=64.0, skip_softmax_decode_scale_factor=4.0, scale=0.25, kv_cache_id=#, sliding_window=None, logit_softcap=None, layer=%l_self_modules_layers_modules_1_modules_self_attn_modules_attn_layer_key)
 submod_8 [compiled]""")

@@ -63,6 +63,25 @@ def test_merge_prefix_chunks_passes_opcheck():
         torch.library.opcheck(torch.ops.fullcg.merge_prefix_chunks.default, (b.q, out, lse, 0, None, None, None, 0))
 
 
+@pytest.mark.parametrize("op_name", OPS)
+def test_attention_ops_naming_their_layer_by_key_pass_opcheck(op_name):
+    b = make_batch([4, 2], [5, 9], prefix_chunk_tokens=6)
+    key = b.layer.layer_key
+    with fullcg.forward_context(b.metadata, b.layer):
+        out = torch.empty_like(b.q)
+        torch.library.opcheck(OPS[op_name], (b.q, b.k, b.v, out, -1), {"layer": key})
+
+
+def test_prefix_chunk_ops_naming_their_layer_by_key_pass_opcheck():
+    b = make_batch([4, 2], [5, 9], prefix_chunk_tokens=6)
+    key = b.layer.layer_key
+    with fullcg.forward_context(b.metadata, b.layer):
+        kc, vc = b.layer.gather_prefix_chunk(1)
+        torch.library.opcheck(torch.ops.fullcg.gather_prefix_chunk.default, (kc, vc, -1, 1), {"layer": key})
+        out, lse = b.layer(b.q, b.k, b.v, return_lse=True, use_kv_cache=False, save_kv_cache=False)
+        torch.library.opcheck(torch.ops.fullcg.merge_prefix_chunks.default, (b.q, out, lse, -1), {"layer": key})
+
+
 def test_merge_attn_states_passes_opcheck():
     torch.manual_seed(0)
     a, b = torch.randn(5, 3, 8), torch.randn(5, 3, 8)

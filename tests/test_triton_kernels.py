@@ -441,9 +441,11 @@ def test_runs_merged_in_the_decode_kernel_leave_its_arrival_counts_at_zero():
         assert not arrivals.any(), "every arrival count is reset by the program that merged"
 
 
-def test_compiled_steps_bind_and_check_the_first_call_of_each_shape_only(monkeypatch):
+@pytest.mark.parametrize("by_key", [False, True], ids=["ids", "layer_key"])
+def test_compiled_steps_bind_and_check_the_first_call_of_each_shape_only(monkeypatch, by_key):
     # Later layers of a compiled step run the plan the first one left; a layer whose cache
-    # is not its own still goes the checked way and is refused.
+    # is not its own still goes the checked way and is refused. Layers name themselves by
+    # ints or, as fullcg.Attention does, by their key.
     from fullcg.context import derived_context
 
     ops = importlib.import_module("fullcg.ops.attention")  # the package's `attention` is the op
@@ -464,14 +466,17 @@ def test_compiled_steps_bind_and_check_the_first_call_of_each_shape_only(monkeyp
                 derived_context(user, config=cfg, variant="piecewise", padded_size=None):
             for layer in layers:
                 out = torch.empty_like(b.q)
-                kernel(b.q, b.k, b.v, out, layer.layer_id, None, None, None, layer.scale, True, True, None, True,
-                       None, None, layer.kv_cache.uid)
+                identity = (-1, layer.layer_key) if by_key else (layer.layer_id, None)
+                kernel(b.q, b.k, b.v, out, identity[0], None, None, None, layer.scale, True, True, None, True,
+                       None, None, 0 if by_key else layer.kv_cache.uid, identity[1])
                 outs.append(out)
             if step == 1:
                 assert len(binds) == 1, "the second step checks each cache once, then plans once"
                 with pytest.raises(RuntimeError, match="owns KV cache"):
-                    kernel(b.q, b.k, b.v, torch.empty_like(b.q), 0, None, None, None, layers[0].scale, True, True,
-                           None, True, None, None, layers[1].kv_cache.uid)
+                    foreign = torch.tensor([0, layers[1].kv_cache.uid])  # layer 0, another layer's cache
+                    kernel(b.q, b.k, b.v, torch.empty_like(b.q), -1 if by_key else 0, None, None, None,
+                           layers[0].scale, True, True, None, True, None, None,
+                           0 if by_key else layers[1].kv_cache.uid, foreign if by_key else None)
     ref_out, _, _ = run(batch("decode"), "reference", SkipSoftmaxConfig(**TILES))
     for out in outs:
         torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)

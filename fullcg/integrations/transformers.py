@@ -112,44 +112,45 @@ def attention_forward(
     the one :func:`prepare` gave the layer. Returns ``(out [1, T, H, Dv], None)``.
     """
     attn = getattr(module, _CHILD, None)
-    where = f"fullcg attention (layer {getattr(module, 'layer_idx', '?')})"
+    # Where errors happen, say which layer (read only then: traced code that reads the
+    # layer index differs per layer, so Dynamo could not trace a layer once for all).
     if attn is None:
         raise RuntimeError(
-            f"{where}: this module has no fullcg KV cache; call "
+            f"{_where(module)}: this module has no fullcg KV cache; call "
             "fullcg.integrations.transformers.prepare(model, num_pages=..., page_size=...) first"
         )
     if query.dim() != 4 or query.shape[0] != 1:
         raise ValueError(
-            f"{where}: fullcg runs packed batches (batch dimension 1, all requests' tokens concatenated); "
+            f"{_where(module)}: fullcg runs packed batches (batch dimension 1, all requests' tokens concatenated); "
             f"got query of shape {tuple(query.shape)}. Pass input_ids[None] and position_ids[None], "
             "or drive the model through fullcg.integrations.transformers.PackedCausalLM"
         )
     if key.shape[2] != query.shape[2]:
         raise ValueError(
-            f"{where}: keys ({key.shape[2]}) and queries ({query.shape[2]}) differ in length, so a transformers "
+            f"{_where(module)}: keys ({key.shape[2]}) and queries ({query.shape[2]}) differ in length, so a transformers "
             "cache is in use; call the model with use_cache=False (fullcg keeps the KV cache itself)"
         )
     if attention_mask is not None:
         raise ValueError(
-            f"{where}: got an attention mask, which fullcg would ignore; request boundaries come from the "
+            f"{_where(module)}: got an attention mask, which fullcg would ignore; request boundaries come from the "
             "forward context's metadata. Pass no attention_mask (and register() the 'fullcg' mask function)"
         )
     if dropout and module.training:
-        raise ValueError(f"{where}: attention dropout in training mode is not supported; call model.eval()")
+        raise ValueError(f"{_where(module)}: attention dropout in training mode is not supported; call model.eval()")
     if kwargs.get("is_causal") is False:
-        raise UnsupportedModelError(f"{where}: transformers asked for non-causal attention, which fullcg cannot run")
+        raise UnsupportedModelError(f"{_where(module)}: transformers asked for non-causal attention, which fullcg cannot run")
     shapes = (query.shape[1], query.shape[3], key.shape[1], value.shape[1], value.shape[3])
     if shapes != (attn.num_heads, attn.head_dim, attn.num_kv_heads, attn.num_kv_heads, attn.v_head_dim):
         raise ValueError(
-            f"{where}: transformers passed query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+            f"{_where(module)}: transformers passed query {tuple(query.shape)}, key {tuple(key.shape)} and value "
             f"{tuple(value.shape)}, but prepare() built the layer for {attn.num_heads} query heads and "
             f"{attn.num_kv_heads} kv heads of {attn.head_dim} (values {attn.v_head_dim}); call prepare(model, ...) "
             "again after changing the model"
         )
     # A window or soft-cap in the call (what flash-attention would apply) must be what prepare()
     # gave the layer from the config (what HF's masks and eager attention apply).
-    _check_same(where, "sliding_window", kwargs, attn.sliding_window, "window")
-    _check_same(where, "softcap", kwargs, attn.logit_softcap, "logit soft-cap")
+    _check_same(module, "sliding_window", kwargs, attn.sliding_window, "window")
+    _check_same(module, "softcap", kwargs, attn.logit_softcap, "logit soft-cap")
     sinks = kwargs.get("s_aux")
     if sinks is None:
         sinks = kwargs.get("sinks")
@@ -164,14 +165,18 @@ def attention_forward(
     return out.unsqueeze(0), None
 
 
-def _check_same(where: str, name: str, kwargs: dict[str, Any], built: float | None, what: str) -> None:
+def _where(module: torch.nn.Module) -> str:
+    return f"fullcg attention (layer {getattr(module, 'layer_idx', '?')})"
+
+
+def _check_same(module: torch.nn.Module, name: str, kwargs: dict[str, Any], built: float | None, what: str) -> None:
     if name not in kwargs:
         return
     given = kwargs[name]
     same = given is None if built is None else given is not None and abs(float(given) - built) <= 1e-6 * built
     if not same:
         raise UnsupportedModelError(
-            f"{where}: transformers applies {name}={given!r}, but prepare() built the layer with {what} {built!r} "
+            f"{_where(module)}: transformers applies {name}={given!r}, but prepare() built the layer with {what} {built!r} "
             "from the config; fullcg read this model's config wrongly, so it cannot run it (please report it)"
         )
 

@@ -21,6 +21,13 @@ prefix out of the paged KV cache, for models that transform a chunk before atten
 ``fullcg::merge_latent_prefix_chunks`` is the chunked-prefix pattern over a latent cache
 (multi-head latent attention in MHA form): it saves the step's new latents, then up-projects
 each prefix chunk's latents to per-head keys and values and merges the chunk in.
+
+Which layer calls an op can be a run-time value: a layer passes ``layer_id=-1``
+(:data:`LAYER_FROM_KEY`) and ``layer``, its ``layer_key``: an int64 CPU tensor
+``[layer_id, kv_cache_id]`` the op reads when it runs. A graph input rather than constants
+baked into the graph, it leaves every layer of a model the same traced graph, so Dynamo can
+trace a repeated layer once (``FullCGConfig.trace_layers_once``). Callers without a layer
+object pass the two ints and no key.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ __all__ = [
     "merge_latent_prefix_chunks",
     "ATTENTION_OPS",
     "ATTRIBUTE_NAMES",
+    "LAYER_FROM_KEY",
+    "layer_identity",
     "EAGER_KERNELS",
 ]
 
@@ -80,18 +89,52 @@ ATTRIBUTE_SCHEMA = (
     "int layer_id, SymInt? key_value_num_tokens=None, float? skip_softmax_prefill_scale_factor=None, "
     "float? skip_softmax_decode_scale_factor=None, float? scale=None, bool use_kv_cache=True, "
     "bool causal=True, int? prefix_chunk=None, bool? save_kv_cache=None, int? sliding_window=None, "
-    "float? logit_softcap=None, int kv_cache_id=0"
+    "float? logit_softcap=None, int kv_cache_id=0, Tensor? layer=None"
 )
 ATTRIBUTE_NAMES = tuple(part.split("=")[0].split()[-1] for part in ATTRIBUTE_SCHEMA.split(", "))
-_ATTRIBUTE_DEFAULTS = (None, None, None, None, True, True, None, None, None, None, 0)  # all but layer_id
+_ATTRIBUTE_DEFAULTS = (None, None, None, None, True, True, None, None, None, None, 0, None)  # all but layer_id
 _NUM_ATTRIBUTES = len(ATTRIBUTE_NAMES)
+_CACHE_ID = ATTRIBUTE_NAMES.index("kv_cache_id")  # the key follows it
+
+#: The ``layer_id`` a layer passes with its ``layer`` key: the op reads the id from the key.
+LAYER_FROM_KEY = -1
 
 
-def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple) -> AttentionCall:
-    """Name the positional attributes the dispatcher passes and fill in derived defaults."""
+def layer_identity(op: str, layer_id: int, kv_cache_id: int, layer: torch.Tensor | None) -> tuple[int, int]:
+    """``(layer_id, kv_cache_id)`` of a call: read from ``layer`` (a layer's key, read on the
+    host: two ints, no device sync) when given, else the ints as passed."""
+    if layer is None:
+        return layer_id, kv_cache_id
+    if layer_id != LAYER_FROM_KEY or kv_cache_id:
+        raise ValueError(
+            f"fullcg.{op}: got both a layer key and layer_id={layer_id}, kv_cache_id={kv_cache_id}; a call names its "
+            f"layer one way: layer_id={LAYER_FROM_KEY} and kv_cache_id=0 with the key, or the ints without one"
+        )
+    return tuple(layer.tolist())  # type: ignore[return-value]
+
+
+def _check_layer_key(op: str, layer: torch.Tensor | None) -> None:
+    """The key's form, checkable on a fake tensor too (its values are read when the op runs)."""
+    if layer is not None and (layer.shape != (2,) or layer.dtype != torch.int64 or layer.device.type != "cpu"):
+        raise ValueError(
+            f"fullcg.{op}: layer must be a layer's layer_key, an int64 CPU tensor [layer_id, kv_cache_id]; got "
+            f"{layer.dtype} {tuple(layer.shape)} on {layer.device}"
+        )
+
+
+def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple, resolve: bool = True) -> AttentionCall:
+    """Name the positional attributes the dispatcher passes and fill in derived defaults.
+
+    ``resolve=False`` (the fake) leaves a key unread: its values exist only when the op runs.
+    """
     if len(attrs) != len(ATTRIBUTE_NAMES):
         attrs = attrs + _ATTRIBUTE_DEFAULTS[len(attrs) - 1 :]
-    layer_id, kv_tokens, prefill, decode, scale, use_kv_cache, causal, chunk, save, window, softcap, cache_id = attrs
+    layer_id, kv_tokens, prefill, decode, scale, use_kv_cache, causal, chunk, save, window, softcap, cache_id, layer = attrs
+    _check_layer_key(op, layer)
+    if layer is not None and not resolve:
+        layer_id, cache_id = 0, 0
+    else:
+        layer_id, cache_id = layer_identity(op, layer_id, cache_id, layer)
     return AttentionCall(
         op=op, q=q, k=k, v=v, out=out, layer_id=layer_id, key_value_num_tokens=kv_tokens,
         prefill_scale_factor=prefill, decode_scale_factor=decode,
@@ -142,15 +185,18 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
         # first call of each shape in a step leaves a plan that later calls (the other layers)
         # run directly, checking only that the layer's cache is its own and fits.
         plan_key = None
-        if ctx is not None and ctx.compiled and len(attrs) == _NUM_ATTRIBUTES and not ctx.config.debug_checks:
-            plan_key = (name, attrs[1:-1], q.dtype, q.device, q.shape, k.shape, v.shape, q.stride(), k.stride(),
+        if ctx is not None and ctx.compiled and len(attrs) >= _NUM_ATTRIBUTES - 1 and not ctx.config.debug_checks:
+            # Every attribute but the layer's identity (the trailing key may be left out).
+            plan_key = (name, attrs[1:_CACHE_ID], q.dtype, q.device, q.shape, k.shape, v.shape, q.stride(), k.stride(),
                         v.stride(), out.stride())
             planned = ctx.step.plans.get(plan_key)
             if planned is not None:
                 plan, fit = planned
-                cache = ctx.kv_caches.get(attrs[0]) if fit is not None else None
-                if fit is None or (cache is not None and cache.uid == attrs[-1] and cache.fit is fit):
-                    return plan(q, k, v, out, cache, attrs[0])
+                key = attrs[_CACHE_ID + 1] if len(attrs) > _CACHE_ID + 1 else None
+                layer_id, cache_id = key.tolist() if key is not None else (attrs[0], attrs[_CACHE_ID])
+                cache = ctx.kv_caches.get(layer_id) if fit is not None else None
+                if fit is None or (cache is not None and cache.uid == cache_id and cache.fit is fit):
+                    return plan(q, k, v, out, cache, layer_id)
         call = _bind(name, return_lse, q, k, v, out, attrs)
         if ctx is None or not ctx.compiled or ctx.config.debug_checks:
             check_tensors(call)
@@ -179,7 +225,7 @@ def _define(name: str, return_lse: bool, breakable: bool) -> object:
         return lse if return_lse else None
 
     def fake(q, k, v, out, *attrs):
-        check_tensors(_bind(name, return_lse, q, k, v, out, attrs))
+        check_tensors(_bind(name, return_lse, q, k, v, out, attrs, resolve=False))
         return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if return_lse else None
 
     kernel.__name__ = name
@@ -264,11 +310,14 @@ def _check_gather(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk
         raise ValueError(f"{where}: chunk must be >= 0, got {chunk}")
 
 
-def _gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk: int) -> None:
+def _gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk: int,
+                         layer: torch.Tensor | None = None) -> None:
     """Copy chunk ``chunk`` of every request's cached prefix into ``k_out``/``v_out``, packed.
 
     The packing is ``metadata.prefix_chunks[chunk]``; rows past the chunk's tokens are zeroed.
     """
+    _check_layer_key("gather_prefix_chunk", layer)
+    layer_id, _ = layer_identity("gather_prefix_chunk", layer_id, 0, layer)
     _check_gather(k_out, v_out, layer_id, chunk)
     ctx = get_forward_context()
     md = ctx.metadata
@@ -289,13 +338,14 @@ def _gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int
     torch_ops.gather_prefix_chunk(k_out, v_out, cache, md, plan)
 
 
-def _gather_prefix_chunk_fake(k_out, v_out, layer_id, chunk) -> None:
-    _check_gather(k_out, v_out, layer_id, chunk)
+def _gather_prefix_chunk_fake(k_out, v_out, layer_id, chunk, layer=None) -> None:
+    _check_layer_key("gather_prefix_chunk", layer)
+    _check_gather(k_out, v_out, 0 if layer is not None else layer_id, chunk)
 
 
 gather_prefix_chunk = _register(
     "gather_prefix_chunk",
-    "(Tensor(a!) k_out, Tensor(b!) v_out, int layer_id, int chunk) -> ()",
+    "(Tensor(a!) k_out, Tensor(b!) v_out, int layer_id, int chunk, Tensor? layer=None) -> ()",
     _gather_prefix_chunk,
     _gather_prefix_chunk_fake,
 )
@@ -343,6 +393,7 @@ def _merge_prefix_chunks(
     kv_cache_id: int = 0,
     sliding_window: Optional[int] = None,
     logit_softcap: Optional[float] = None,
+    layer: Optional[torch.Tensor] = None,
 ) -> None:
     """Attend ``q`` over every chunk of the step's cached prefix and merge each into
     ``out``/``lse`` in place.
@@ -354,6 +405,8 @@ def _merge_prefix_chunks(
     between pieces. Each chunk is gathered, attended without a causal mask (every new
     token sees the whole prefix; skip-softmax factors per request's mode) and merged.
     """
+    _check_layer_key("merge_prefix_chunks", layer)
+    layer_id, kv_cache_id = layer_identity("merge_prefix_chunks", layer_id, kv_cache_id, layer)
     _check_merge_prefix(q, out, lse, layer_id)
     ctx = get_forward_context()
     md = ctx.metadata
@@ -395,15 +448,17 @@ def _merge_prefix_chunks(
         torch_ops.merge_states(out, out_c, lse_c, out, lse, lse)
 
 
-def _merge_prefix_chunks_fake(q, out, lse, layer_id, *attrs) -> None:
-    _check_merge_prefix(q, out, lse, layer_id)
+def _merge_prefix_chunks_fake(q, out, lse, layer_id, *attrs, layer=None) -> None:
+    layer = attrs[6] if len(attrs) > 6 else layer
+    _check_layer_key("merge_prefix_chunks", layer)
+    _check_merge_prefix(q, out, lse, 0 if layer is not None else layer_id)
 
 
 merge_prefix_chunks = _register(
     "merge_prefix_chunks",
     "(Tensor q, Tensor(a!) out, Tensor(b!) lse, int layer_id, float? skip_softmax_prefill_scale_factor=None, "
     "float? skip_softmax_decode_scale_factor=None, float? scale=None, int kv_cache_id=0, int? sliding_window=None, "
-    "float? logit_softcap=None) -> ()",
+    "float? logit_softcap=None, Tensor? layer=None) -> ()",
     _merge_prefix_chunks,
     _merge_prefix_chunks_fake,
     _BREAKABLE_TAGS,
@@ -449,6 +504,7 @@ def _merge_latent_prefix_chunks(
     skip_softmax_decode_scale_factor: Optional[float] = None,
     scale: Optional[float] = None,
     kv_cache_id: int = 0,
+    layer: Optional[torch.Tensor] = None,
 ) -> None:
     """Multi-head latent attention's chunked prefix: save the step's new latents, then attend
     ``q`` over every chunk of the cached prefix, up-projected, merging each into ``out``/``lse``.
@@ -461,6 +517,8 @@ def _merge_latent_prefix_chunks(
     ``metadata.prefix_chunk_tokens`` rows, never stored; attention over them (no causal
     mask, LSE) is merged in. One op whatever the chunk count, so one graph serves every count.
     """
+    _check_layer_key("merge_latent_prefix_chunks", layer)
+    layer_id, kv_cache_id = layer_identity("merge_latent_prefix_chunks", layer_id, kv_cache_id, layer)
     _check_merge_latent(q, out, lse, new_latent, kv_b_weight, layer_id)
     ctx = get_forward_context()
     md = ctx.metadata
@@ -522,15 +580,17 @@ def _merge_latent_prefix_chunks(
         torch_ops.merge_states(out, out_c, lse_c, out, lse, lse)
 
 
-def _merge_latent_prefix_chunks_fake(q, out, lse, new_latent, kv_b_weight, layer_id, *attrs) -> None:
-    _check_merge_latent(q, out, lse, new_latent, kv_b_weight, layer_id)
+def _merge_latent_prefix_chunks_fake(q, out, lse, new_latent, kv_b_weight, layer_id, *attrs, layer=None) -> None:
+    layer = attrs[4] if len(attrs) > 4 else layer
+    _check_layer_key("merge_latent_prefix_chunks", layer)
+    _check_merge_latent(q, out, lse, new_latent, kv_b_weight, 0 if layer is not None else layer_id)
 
 
 merge_latent_prefix_chunks = _register(
     "merge_latent_prefix_chunks",
     "(Tensor q, Tensor(a!) out, Tensor(b!) lse, Tensor new_latent, Tensor kv_b_weight, int layer_id, "
     "float? skip_softmax_prefill_scale_factor=None, float? skip_softmax_decode_scale_factor=None, float? scale=None, "
-    "int kv_cache_id=0) -> ()",
+    "int kv_cache_id=0, Tensor? layer=None) -> ()",
     _merge_latent_prefix_chunks,
     _merge_latent_prefix_chunks_fake,
     _BREAKABLE_TAGS,

@@ -12,10 +12,17 @@ import torch
 import torch.fx
 
 from fullcg.config import SkipSoftmaxConfig
-from fullcg.ops.attention import ATTENTION_OPS
+from fullcg.ops.attention import ATTENTION_OPS, LAYER_FROM_KEY
 from fullcg.passes.manager import source_hash
 
-__all__ = ["AttributesPass", "attention_nodes", "node_attribute", "prefix_chunk_nodes", "set_node_attribute"]
+__all__ = [
+    "AttributesPass", "LAYER_ID_META", "attention_nodes", "node_attribute", "node_layer_id", "prefix_chunk_nodes",
+    "resolve_layer_keys", "set_node_attribute",
+]
+
+#: ``node.meta`` key of the layer id a node's ``layer`` key input held when the graph was
+#: compiled (written by :func:`fullcg.passes.regions.resolve_layer_keys`).
+LAYER_ID_META = "fullcg_layer_id"
 
 _ATTENTION_OPS = frozenset(ATTENTION_OPS.values())
 _PREFIX_CHUNK_OPS = (torch.ops.fullcg.merge_prefix_chunks.default, torch.ops.fullcg.merge_latent_prefix_chunks.default)
@@ -42,6 +49,33 @@ def node_attribute(node: torch.fx.Node, name: str) -> object:
         return node.kwargs[name]
     schema_arg = node.target._schema.arguments[idx]
     return schema_arg.default_value if schema_arg.has_default_value() else None
+
+
+def node_layer_id(node: torch.fx.Node) -> object:
+    """The layer a fullcg op node serves: its ``layer_id``, or, for a node given a layer key
+    (``layer_id=-1``), the id the key held at compile time (None when unknown)."""
+    layer_id = node_attribute(node, "layer_id")
+    if layer_id == LAYER_FROM_KEY and node_attribute(node, "layer") is not None:
+        return node.meta.get(LAYER_ID_META)
+    return layer_id
+
+
+def resolve_layer_keys(gm: torch.fx.GraphModule, example_inputs: list[object]) -> None:
+    """Note on each fullcg op node given a layer key (a graph input) the layer id the key
+    holds (``node.meta[LAYER_ID_META]``): compile-time checks, per-layer skip-softmax
+    factors and the split report need it; the op reads the key itself when it runs."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "fullcg":
+            continue
+        if not any(a.name == "layer" for a in node.target._schema.arguments):
+            continue
+        key = node_attribute(node, "layer")
+        value = inputs.get(key) if isinstance(key, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and not is_fake(value) and value.shape == (2,):
+            node.meta[LAYER_ID_META] = int(value[0])
 
 
 def set_node_attribute(node: torch.fx.Node, name: str, value: object) -> None:
@@ -74,7 +108,9 @@ def _check_one_save_per_layer(graph: torch.fx.Graph) -> None:
             save = node_attribute(node, "use_kv_cache")
         if not save:
             continue
-        layer = node_attribute(node, "layer_id")
+        layer = node_layer_id(node)
+        if layer is None:
+            continue  # a key input whose value was not known at compile time: the op checks when it runs
         first = saved.setdefault(layer, node)
         if first is not node:
             raise ValueError(
@@ -95,7 +131,15 @@ class AttributesPass:
         _check_one_save_per_layer(graph)
         # Attention over prefix chunks takes its layer's factors, as the layer's own call does.
         for node in [*prefix_chunk_nodes(graph), *attention_nodes(graph)]:
-            prefill, decode = self.skip_softmax.factors_for(node_attribute(node, "layer_id"))
+            layer = node_layer_id(node)
+            if layer is None and self.skip_softmax.per_layer:
+                raise ValueError(
+                    f"{node.name}: skip-softmax factors are set per layer but this node's layer key was not an input "
+                    "of the compiled graph, so its layer is unknown at compile time"
+                )
+            skip = self.skip_softmax
+            prefill, decode = skip.factors_for(layer) if layer is not None else (
+                skip.prefill_scale_factor, skip.decode_scale_factor)
             set_node_attribute(node, "skip_softmax_prefill_scale_factor", prefill)
             set_node_attribute(node, "skip_softmax_decode_scale_factor", decode)
         for node in attention_nodes(graph):
@@ -103,7 +147,7 @@ class AttributesPass:
             rows = _rows(node.args[1])
             if isinstance(kv_tokens, int) and isinstance(rows, int) and not 0 <= kv_tokens <= rows:
                 raise ValueError(
-                    f"attention node {node.name} (layer {node_attribute(node, 'layer_id')}): key_value_num_tokens="
+                    f"attention node {node.name} (layer {node_layer_id(node)}): key_value_num_tokens="
                     f"{kv_tokens} but k has {rows} rows; it must lie in [0, {rows}]"
                 )
             if kv_tokens is not None and not isinstance(kv_tokens, (int, torch.fx.Node, torch.SymInt)):

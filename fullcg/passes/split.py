@@ -30,7 +30,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from fullcg.ops.attention import ATTENTION_OPS
-from fullcg.passes.attributes import attention_nodes, node_attribute, prefix_chunk_nodes
+from fullcg.passes.attributes import attention_nodes, node_attribute, node_layer_id, prefix_chunk_nodes
 from fullcg.passes.manager import source_hash
 
 import fullcg.ops  # noqa: F401  (registers torch.ops.fullcg)
@@ -93,9 +93,14 @@ class Piece:
         named += [(n, _PREFIX_CHUNK_SUMMARY) for n in prefix_chunk_nodes(graph)]
         order = {n: i for i, n in enumerate(graph.nodes)}
         return [
-            f"{node.target}({', '.join(f'{name}={node_attribute(node, name)}' for name in names)})"
+            f"{node.target}({', '.join(f'{name}={_summary_value(node, name)}' for name in names)})"
             for node, names in sorted(named, key=lambda item: order[item[0]])
         ]
+
+
+def _summary_value(node: torch.fx.Node, name: str) -> object:
+    # A layer's key holds its id at run time; the report shows the id it held when compiled.
+    return node_layer_id(node) if name == "layer_id" else node_attribute(node, name)
 
 
 _ATTENTION_SUMMARY = (

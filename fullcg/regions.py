@@ -1,0 +1,148 @@
+"""Tracing a repeated layer once: Dynamo's nested compile regions on a model's layers.
+
+A decoder's layers are one module class run N times on different weights. Dynamo traces
+each call's Python again (at 32 layers most of a cold start's tracing), unless the layer's
+forward is a *nested compile region* (``torch.compiler.nested_compile_region``): then it
+traces the first layer, and stamps that graph out for every later layer whose inputs and
+guards match. Two things make fullcg's layers match:
+
+- the attention ops take the layer's identity as a run-time value (its ``layer_key``
+  tensor, see :mod:`fullcg.ops.attention`), so no per-layer constant enters the graph;
+- :func:`mark_repeated_layers` marks the forward of every layer in a ``ModuleList`` of
+  same-class modules that hold fullcg attention (``fullcg.compile`` does it unless
+  ``FullCGConfig.trace_layers_once`` is False).
+
+Dynamo hands the backend a graph that calls each region through ``invoke_subgraph``;
+:func:`inline_regions` puts the region's nodes back in place of each call, so the passes,
+the split at attention and the pieces see the flat graph they always see (and Inductor
+compiles each distinct piece once, as ever). A layer that differs (another sliding
+window, its own skip-softmax factors) fails the match and is traced on its own: correct,
+only slower. Regions need torch's reuse of traced regions (torch 2.13 and later; on
+older versions Dynamo would trace every layer anyway and the marking is skipped).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fullcg.context import CacheOwner
+
+__all__ = ["inline_regions", "mark_repeated_layers", "regions_supported", "region_calls"]
+
+logger = logging.getLogger(__name__)
+
+#: Marks a layer's forward as this module's region wrapper (so marking twice is a no-op).
+_MARKED = "__fullcg_region__"
+
+
+def regions_supported() -> bool:
+    """Whether Dynamo reuses a nested compile region's trace (``max_reuse_entries`` exists)."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region is not None and "max_reuse_entries" in inspect.signature(region).parameters
+
+
+def _repeated_layer_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """``ModuleList``s of two or more modules of one class, each holding fullcg attention."""
+    found = []
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        layers = list(module)
+        if len({type(layer) for layer in layers}) != 1:
+            continue
+        if all(any(isinstance(m, CacheOwner) for m in layer.modules()) for layer in layers):
+            found.append(module)
+    return found
+
+
+def mark_repeated_layers(model: nn.Module) -> int:
+    """Make the forward of each repeated layer of ``model`` a nested compile region
+    (see the module doc); returns how many layers are marked. Eager calls are unchanged:
+    outside ``torch.compile`` a region is a plain call."""
+    if not regions_supported():
+        return 0
+    marked = 0
+    for layers in _repeated_layer_lists(model):
+        cls_forward = type(layers[0]).forward
+        # One region function per list, allowed an entry per layer: layers that cannot share
+        # a trace get their own, never an error for running out of entries.
+        region = torch.compiler.nested_compile_region(cls_forward, max_reuse_entries=len(layers) + 1)
+        setattr(region, _MARKED, True)
+        for layer in layers:
+            current = layer.__dict__.get("forward")
+            if current is not None:
+                if getattr(getattr(current, "__func__", None), _MARKED, False):
+                    continue  # marked before (the model compiled twice)
+                # An instance forward the user set (a hook or patch): leave the layer as it is.
+                continue
+            layer.forward = types.MethodType(region, layer)
+            marked += 1
+    if marked:
+        logger.info("fullcg: %d repeated layers marked to be traced once (nested compile regions)", marked)
+    return marked
+
+
+def _invoke_subgraph() -> Any:
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
+def region_calls(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """``(calls, distinct regions)`` of ``gm``'s region calls: 32 and 1 when Dynamo traced
+    one layer for all 32."""
+    hop = _invoke_subgraph()
+    calls = [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
+    return len(calls), len({n.args[0].target for n in calls})
+
+
+def inline_regions(gm: torch.fx.GraphModule, make: Callable[[torch.nn.Module, torch.fx.Graph], torch.fx.GraphModule]
+                   ) -> torch.fx.GraphModule:
+    """``gm`` with every region call replaced by the region's nodes (``gm`` itself when it
+    calls none). ``make(root, graph)`` builds the graph module."""
+    hop = _invoke_subgraph()
+    if hop is None or not any(n.op == "call_function" and n.target is hop for n in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is hop:
+            region = getattr(gm, node.args[0].target)
+            env[node] = _inline(graph, region, [torch.fx.map_arg(a, env.__getitem__) for a in node.args[2:]], make)
+        elif node.op == "call_function" and node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]
+        elif node.op == "get_attr" and all(u.target is hop for u in node.users):
+            continue  # a region's module: its nodes are inlined where it is called
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.lint()
+    out = make(gm, graph)
+    out.meta.update(gm.meta)
+    return out
+
+
+def _inline(graph: torch.fx.Graph, region: torch.fx.GraphModule, operands: list[Any],
+            make: Callable[[torch.nn.Module, torch.fx.Graph], torch.fx.GraphModule]) -> tuple[Any, ...]:
+    """Copy ``region``'s nodes into ``graph`` on ``operands``; its outputs, as a tuple."""
+    region = inline_regions(region, make)  # regions inside regions
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = iter(operands)
+    for node in region.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "output":
+            outputs = torch.fx.map_arg(node.args[0], env.__getitem__)
+            return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+        elif node.op == "get_attr":
+            raise NotImplementedError(f"fullcg: a compile region reads attribute {node.target!r}; regions must take "
+                                      "their tensors as inputs")
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    raise ValueError("fullcg: a compile region's graph has no output")
