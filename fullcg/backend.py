@@ -40,7 +40,7 @@ from fullcg.passes.piece_key import piece_key
 from fullcg.passes.sibling_linears import FuseSiblingLinearsPass
 from fullcg.passes.split import Piece, reads_host_plan
 from fullcg.dispatch import CompiledModel
-from fullcg.regions import inline_regions, region_calls
+from fullcg.regions import check_region_calls, inline_regions, region_calls
 from fullcg.runner import InputStager, PieceCall, StepRunner
 from fullcg.telemetry import StepCounts, model_counts
 
@@ -365,6 +365,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         )
     regions = region_calls(gm)
     if regions[0]:
+        check_region_calls(gm, list(example_inputs))
         logger.info("fullcg: Dynamo traced %d distinct layer region(s) for %d layer calls", regions[1], regions[0])
     gm = inline_regions(gm, make_graph_module)
     resolve_layer_keys(gm, example_inputs)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ import torch
 
 from fullcg import context
 from fullcg.config import FullCGConfig
+from fullcg.errors import RegionReuseError
 from fullcg.context import check_call_positions, positions_argument
 from fullcg.runner import StepRunner, observed_runner_calls
 
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from fullcg.backend import Backend
 
 __all__ = ["CompiledModel", "DirectDispatch", "MISS", "observed_runner_calls"]
+
+logger = logging.getLogger(__name__)
 
 #: What :meth:`DirectDispatch.__call__` returns for a step that must go through Dynamo.
 MISS = object()
@@ -237,11 +241,25 @@ class CompiledModel:
         if direct is None or kwargs:
             if self.backend.config.debug_checks:
                 check_call_positions(self._positions, args, kwargs)
-            return self._compiled(*args, **kwargs)
+            return self._traced(*args, **kwargs)
         with observed_runner_calls() as calls:
-            result = self._compiled(*args)
+            result = self._traced(*args)
         direct.learn(args, calls, result)
         return result
+
+    def _traced(self, *args: Any, **kwargs: Any) -> Any:
+        """The step through Dynamo; traced again layer by layer if Dynamo mapped a repeated
+        layer's trace onto the wrong layer (see :mod:`fullcg.regions`)."""
+        try:
+            return self._compiled(*args, **kwargs)
+        except RegionReuseError as exc:
+            from fullcg.regions import unmark_repeated_layers
+
+            if not unmark_repeated_layers(self.model):
+                raise
+            logger.warning("%s; tracing %s again, every layer on its own", str(exc).splitlines()[0],
+                           type(self.model).__name__)
+            return self._compiled(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"fullcg.compile({type(self.model).__name__}, graph_mode={self.backend.config.graph_mode})"

@@ -80,6 +80,11 @@ class InferenceTensorError(FullCGError, RuntimeError):
     """A KV cache made under ``torch.inference_mode`` written outside it."""
 
 
+class RegionReuseError(FullCGError, RuntimeError):
+    """Dynamo stamped a traced layer out for another layer with the first one's tensors
+    (:mod:`fullcg.regions`); ``fullcg.compile`` traces the model again layer by layer."""
+
+
 class ImplementationUnavailableError(FullCGError, ImportError):
     """An attention implementation that cannot be imported here (its package is missing)."""
 

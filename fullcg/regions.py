@@ -19,6 +19,14 @@ compiles each distinct piece once, as ever). A layer that differs (another slidi
 window, its own skip-softmax factors) fails the match and is traced on its own: correct,
 only slower. Regions need torch's reuse of traced regions (torch 2.13 and later; on
 older versions Dynamo would trace every layer anyway and the marking is skipped).
+
+Dynamo's reuse is checked, not trusted: on torch 2.13 a stamped-out call can be given the
+first layer's tensors in place of its own (seen with layers called one by one,
+``self.layers[1](self.layers[0](x))``), which would run every layer on layer 0's weights
+and cache. :func:`check_region_calls` maps each call's tensor inputs to the marked layer
+that owns them; a call that reads two layers' tensors, or a layer read by two calls, is a
+:class:`fullcg.errors.RegionReuseError`, on which ``fullcg.compile`` unmarks the layers
+and lets Dynamo trace the model again, layer by layer (one warning).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import inspect
 import logging
 import operator
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,13 +44,20 @@ import torch.fx
 from torch import nn
 
 from fullcg.context import CacheOwner
+from fullcg.errors import RegionReuseError
 
-__all__ = ["inline_regions", "mark_repeated_layers", "regions_supported", "region_calls"]
+__all__ = [
+    "check_region_calls", "inline_regions", "mark_repeated_layers", "regions_supported", "region_calls",
+    "unmark_repeated_layers",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Marks a layer's forward as this module's region wrapper (so marking twice is a no-op).
 _MARKED = "__fullcg_region__"
+
+#: Every layer marked so far (weakly): whose tensors :func:`check_region_calls` can name.
+_marked_layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def regions_supported() -> bool:
@@ -85,10 +101,57 @@ def mark_repeated_layers(model: nn.Module) -> int:
                 # An instance forward the user set (a hook or patch): leave the layer as it is.
                 continue
             layer.forward = types.MethodType(region, layer)
+            _marked_layers.add(layer)
             marked += 1
     if marked:
         logger.info("fullcg: %d repeated layers marked to be traced once (nested compile regions)", marked)
     return marked
+
+
+def unmark_repeated_layers(model: nn.Module) -> int:
+    """Undo :func:`mark_repeated_layers` on ``model``; returns how many layers it unmarked."""
+    unmarked = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if forward is not None and getattr(getattr(forward, "__func__", None), _MARKED, False):
+            del module.__dict__["forward"]
+            _marked_layers.discard(module)
+            unmarked += 1
+    return unmarked
+
+
+def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    keys = [m.layer_key for m in layer.modules() if isinstance(m, CacheOwner)]
+    return [*layer.parameters(), *layer.buffers(), *keys]
+
+
+def check_region_calls(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Raise :class:`RegionReuseError` unless every region call of ``gm`` reads the tensors
+    of one marked layer, a layer no other call reads (see the module doc)."""
+    hop = _invoke_subgraph()
+    calls = [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
+    if not calls:
+        return
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for layer in list(_marked_layers):
+        for t in _layer_tensors(layer):
+            if owner.setdefault(id(t), id(layer)) != id(layer):
+                shared.add(id(t))  # tied between layers: names neither
+    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    read_by: dict[int, torch.fx.Node] = {}
+    for call in calls:
+        layers = {owner[id(v)] for a in call.args[2:] if isinstance(a, torch.fx.Node)
+                  and (v := inputs.get(a)) is not None and id(v) in owner and id(v) not in shared}
+        if len(layers) > 1:
+            raise RegionReuseError(f"fullcg: region call {call.name} reads the tensors of {len(layers)} layers")
+        for layer in layers:
+            first = read_by.setdefault(layer, call)
+            if first is not call:
+                raise RegionReuseError(
+                    f"fullcg: region calls {first.name} and {call.name} read one layer's tensors (Dynamo gave a "
+                    "stamped-out layer the first layer's weights)"
+                )
 
 
 def _invoke_subgraph() -> Any:

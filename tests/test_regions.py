@@ -185,3 +185,52 @@ def test_inlined_regions_compute_what_the_regions_did():
     assert not any("invoke_subgraph" in str(n.target) for n in flat.graph.nodes)
     out = flat(x, *ws)  # Dynamo's inputs: x, then the weights
     assert torch.allclose(out[0] if isinstance(out, (tuple, list)) else out, f(x, ws))
+
+
+class _IndexedLayer(torch.nn.Module):
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 96)
+        self.attn = fullcg.Attention(2, 16, layer_id=layer_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).view(-1, 6, 16).split([2, 2, 2], dim=1)
+        return x + self.attn(q, k, v).flatten(1)
+
+
+class _IndexedModel(torch.nn.Module):
+    """Layers called one by one, the first on the step's input: torch 2.13's Dynamo stamps
+    the first layer's trace out for the second with the first layer's tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_IndexedLayer(i) for i in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.layers[0](x))
+
+
+@needs_regions
+def test_a_region_stamped_out_with_another_layers_tensors_is_traced_again_layer_by_layer(caplog):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _IndexedModel()
+    for layer in model.layers:
+        layer.attn.allocate_kv_cache(8, 4)
+    eager = copy.deepcopy(model)
+    compiled = fullcg.compile(model, compiler="eager", graph_mode="piecewise")
+    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        with fullcg.forward_context(md, model):
+            got = compiled(x)
+        with fullcg.forward_context(md, eager):
+            expected = eager(x)
+    torch.testing.assert_close(got, expected)  # every layer on its own weights and cache
+    (regions,) = [r.regions for r in compiled.runners]
+    retraced = "tracing _IndexedModel again, every layer on its own" in caplog.text
+    # Where Dynamo maps the layers wrongly (torch 2.13) fullcg notices and traces again;
+    # where it maps them right, one region serves both.
+    assert (regions, retraced) in (((0, 0), True), ((2, 1), False))
+    if retraced:
+        assert all("forward" not in layer.__dict__ for layer in model.layers)  # unmarked
