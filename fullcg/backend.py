@@ -367,7 +367,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     if regions[0]:
         check_region_calls(gm, list(example_inputs))
         logger.info("fullcg: Dynamo traced %d distinct layer region(s) for %d layer calls", regions[1], regions[0])
-    gm = inline_regions(gm, make_graph_module)
+    with lazy_graph_modules():  # its code is generated only if something reads it (the compile cache's key)
+        gm = inline_regions(gm, make_graph_module)
     resolve_layer_keys(gm, example_inputs)
     runner = _cached_compile(gm, example_inputs, config, counts)
     runner.regions = regions

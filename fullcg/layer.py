@@ -139,6 +139,9 @@ class Attention(nn.Module, CacheOwner):
     def __setstate__(self, state: dict) -> None:
         # A copied or unpickled layer holds another cache (a copy is a new cache, with a new
         # uid): its key must name that one, not the original's.
+        if "_layer_id" not in state and "layer_id" in state:  # pickled before layer_id was a property
+            state = {**state, "_layer_id": state["layer_id"]}
+            del state["layer_id"]
         super().__setstate__(state)
         cache = self.__dict__.get("_kv_cache")
         with torch.inference_mode(False):

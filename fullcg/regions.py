@@ -185,7 +185,6 @@ def inline_regions(gm: torch.fx.GraphModule, make: Callable[[torch.nn.Module, to
             continue  # a region's module: its nodes are inlined where it is called
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
-    graph.lint()
     out = make(gm, graph)
     out.meta.update(gm.meta)
     return out
