@@ -209,10 +209,12 @@ class CompiledModel:
         self._direct = None if backend.config.debug_checks else DirectDispatch(model, backend.runners)
         self._positions = positions_argument(model) if backend.config.debug_checks else None
         options = {"guard_filter_fn": self._direct.note_guards} if self._direct is not None else None
+        #: Whether the layers are marked as compile regions (until a trace fails with them).
+        self._marked = False
         if backend.config.trace_layers_once:
             from fullcg.regions import mark_repeated_layers
 
-            mark_repeated_layers(model)
+            self._marked = mark_repeated_layers(model) > 0
         self._compiled = torch.compile(model, backend=backend, options=options)
 
     @property
@@ -248,17 +250,26 @@ class CompiledModel:
         return result
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
-        """The step through Dynamo; traced again layer by layer if Dynamo mapped a repeated
-        layer's trace onto the wrong layer (see :mod:`fullcg.regions`)."""
+        """The step through Dynamo. While the model's layers are marked as regions
+        (:mod:`fullcg.regions`), a trace that fails (Dynamo could not hold a layer in a
+        region, or mapped a stamped-out layer onto another layer's tensors) is traced again
+        with the layers unmarked, each on its own; an error that remains then is raised."""
+        if not self._marked:
+            return self._compiled(*args, **kwargs)
+        from torch._dynamo.exc import TorchDynamoException
+
         try:
             return self._compiled(*args, **kwargs)
-        except RegionReuseError as exc:
+        except (RegionReuseError, TorchDynamoException) as exc:  # not the model's own errors
             from fullcg.regions import unmark_repeated_layers
 
+            self._marked = False
             if not unmark_repeated_layers(self.model):
                 raise
-            logger.warning("%s; tracing %s again, every layer on its own", str(exc).splitlines()[0],
-                           type(self.model).__name__)
+            reason = "" if isinstance(exc, RegionReuseError) else f"{type(exc).__name__}: "
+            logger.warning("fullcg: tracing %s with its layers as compile regions failed (%s%s); tracing it again, "
+                           "every layer on its own", type(self.model).__name__, reason,
+                           (str(exc).splitlines() or [""])[0])
             return self._compiled(*args, **kwargs)
 
     def __repr__(self) -> str:

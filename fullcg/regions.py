@@ -26,7 +26,9 @@ first layer's tensors in place of its own (seen with layers called one by one,
 and cache. :func:`check_region_calls` maps each call's tensor inputs to the marked layer
 that owns them; a call that reads two layers' tensors, or a layer read by two calls, is a
 :class:`fullcg.errors.RegionReuseError`, on which ``fullcg.compile`` unmarks the layers
-and lets Dynamo trace the model again, layer by layer (one warning).
+and lets Dynamo trace the model again, layer by layer (one warning). It does the same when
+tracing with regions fails outright (Dynamo refuses some layers as regions: Gemma 4's,
+which hand k/v to later layers).
 """
 
 from __future__ import annotations

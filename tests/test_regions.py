@@ -228,9 +228,67 @@ def test_a_region_stamped_out_with_another_layers_tensors_is_traced_again_layer_
             expected = eager(x)
     torch.testing.assert_close(got, expected)  # every layer on its own weights and cache
     (regions,) = [r.regions for r in compiled.runners]
-    retraced = "tracing _IndexedModel again, every layer on its own" in caplog.text
+    retraced = "tracing _IndexedModel with its layers as compile regions failed" in caplog.text
     # Where Dynamo maps the layers wrongly (torch 2.13) fullcg notices and traces again;
     # where it maps them right, one region serves both.
     assert (regions, retraced) in (((0, 0), True), ((2, 1), False))
     if retraced:
         assert all("forward" not in layer.__dict__ for layer in model.layers)  # unmarked
+
+
+class _SharingLayer(torch.nn.Module):
+    """Hands its keys to the next layer through a list, as Gemma 4 shares k/v between layers."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 96)
+        self.attn = fullcg.Attention(2, 16, layer_id=layer_id)
+
+    def forward(self, x: torch.Tensor, shared: list[torch.Tensor]) -> torch.Tensor:
+        q, k, v = self.proj(x).view(-1, 6, 16).split([2, 2, 2], dim=1)
+        if shared:
+            k = shared[-1]
+        shared.append(k)
+        return x + self.attn(q, k, v).flatten(1)
+
+
+class _SharingModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_SharingLayer(i) for i in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared: list[torch.Tensor] = []
+        for layer in self.layers:
+            x = layer(x * 1, shared)
+        return x
+
+
+@needs_regions
+def test_layers_dynamo_cannot_hold_as_regions_are_traced_on_their_own_with_one_warning(caplog):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _SharingModel()
+    for layer in model.layers:
+        layer.attn.allocate_kv_cache(8, 4)
+    eager = copy.deepcopy(model)
+    compiled = fullcg.compile(model, compiler="eager", graph_mode="piecewise")
+    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        with fullcg.forward_context(md, model):
+            got = compiled(x)
+        with fullcg.forward_context(md, eager):
+            expected = eager(x)
+    torch.testing.assert_close(got, expected)
+    assert [r.regions for r in compiled.runners] == [(0, 0)]
+    warnings = [r for r in caplog.records if "as compile regions failed" in r.getMessage()]
+    assert len(warnings) == 1 and "InternalTorchDynamoError" in warnings[0].getMessage()
+
+
+def test_an_error_of_the_model_itself_is_raised_not_retried():
+    model = _model()
+    compiled = fullcg.compile(model, compiler="eager", graph_mode="piecewise")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="forward context"):
+        compiled(torch.tensor([1, 2]), torch.arange(2))  # no forward context entered
+    assert compiled._marked == regions_supported()  # still marked: the model's error is not the regions'
