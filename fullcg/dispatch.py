@@ -124,7 +124,7 @@ class DirectDispatch:
         if any(a.shape[0] != n for a in args):
             return
         user_slots, template = [], list(graph_args)
-        keys = (m.layer_key for m in self._model.modules() if isinstance(m, context.CacheOwner))
+        keys = (key for m in self._model.modules() if isinstance(key := getattr(m, "layer_key", None), torch.Tensor))
         model_tensors = {id(t) for t in (*self._model.parameters(), *self._model.buffers(), *keys)}
         for pos, value in enumerate(graph_args):
             if pos in stager.size_args:
@@ -210,11 +210,13 @@ class CompiledModel:
         self._positions = positions_argument(model) if backend.config.debug_checks else None
         options = {"guard_filter_fn": self._direct.note_guards} if self._direct is not None else None
         #: Whether the layers are marked as compile regions (until a trace fails with them).
-        self._marked = False
-        if backend.config.trace_layers_once:
-            from fullcg.regions import mark_repeated_layers
+        from fullcg.regions import mark_repeated_layers, unmark_repeated_layers
 
+        if backend.config.trace_layers_once:
             self._marked = mark_repeated_layers(model) > 0
+        else:
+            self._marked = False
+            unmark_repeated_layers(model)  # marked by an earlier fullcg.compile
         self._compiled = torch.compile(model, backend=backend, options=options)
 
     @property
@@ -256,11 +258,13 @@ class CompiledModel:
         with the layers unmarked, each on its own; an error that remains then is raised."""
         if not self._marked:
             return self._compiled(*args, **kwargs)
-        from torch._dynamo.exc import TorchDynamoException
+        from torch._dynamo.exc import InternalTorchDynamoError, Unsupported
 
         try:
             return self._compiled(*args, **kwargs)
-        except (RegionReuseError, TorchDynamoException) as exc:  # not the model's own errors
+        except (RegionReuseError, InternalTorchDynamoError, Unsupported) as exc:
+            # Dynamo's own refusals only: the model's errors, the backend's and fullcg's are
+            # the same without regions, and raise as they are.
             from fullcg.regions import unmark_repeated_layers
 
             self._marked = False

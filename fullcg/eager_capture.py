@@ -525,7 +525,7 @@ class EagerCaptureModel:
             args = (*args, *kwargs.values())
         ctx = get_forward_context()
         # Captured graphs hold the caches' addresses: a layer given a new cache needs new
-        # graphs (the compiled path recompiles then: Dynamo guards on the cache's uid).
+        # graphs (the compiled path's runner captures its full graphs again then).
         key = (names, tuple(_arg_key(i, a) for i, a in enumerate(args)), tuple(c.uid for c in ctx.kv_caches.values()))
         try:
             runner = self._runners.get(key)

@@ -144,8 +144,11 @@ class Attention(nn.Module, CacheOwner):
             del state["layer_id"]
         super().__setstate__(state)
         cache = self.__dict__.get("_kv_cache")
+        self.__dict__.setdefault("_kv_dtype", cache.k.dtype if cache is not None else None)
+        self.__dict__.setdefault("_kv_device", cache.k.device if cache is not None else None)
         with torch.inference_mode(False):
-            self.layer_key = torch.tensor([self._layer_id, cache.uid if cache is not None else 0], dtype=torch.int64)
+            self.layer_key = torch.tensor([self._layer_id, cache.uid if cache is not None else 0], dtype=torch.int64,
+                                          device="cpu")
 
     @property
     def layer_id(self) -> int:

@@ -68,24 +68,26 @@ def regions_supported() -> bool:
     return region is not None and "max_reuse_entries" in inspect.signature(region).parameters
 
 
+def _is_layer_list(module: nn.Module) -> bool:
+    """A ``ModuleList`` of two or more modules of one class, each holding fullcg attention."""
+    if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+        return False
+    return all(any(isinstance(m, CacheOwner) for m in layer.modules()) for layer in module)
+
+
 def _repeated_layer_lists(model: nn.Module) -> list[nn.ModuleList]:
-    """``ModuleList``s of two or more modules of one class, each holding fullcg attention."""
-    found = []
-    for module in model.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        layers = list(module)
-        if len({type(layer) for layer in layers}) != 1:
-            continue
-        if all(any(isinstance(m, CacheOwner) for m in layer.modules()) for layer in layers):
-            found.append(module)
-    return found
+    """The innermost layer lists of ``model`` (a list of blocks that hold layer lists
+    themselves is not one: its regions would hold several layers each)."""
+    lists = [m for m in model.modules() if _is_layer_list(m)]
+    return [outer for outer in lists if not any(
+        inner is not outer and _is_layer_list(inner) for layer in outer for inner in layer.modules())]
 
 
 def mark_repeated_layers(model: nn.Module) -> int:
     """Make the forward of each repeated layer of ``model`` a nested compile region
-    (see the module doc); returns how many layers are marked. Eager calls are unchanged:
-    outside ``torch.compile`` a region is a plain call."""
+    (see the module doc); returns how many of its layers are marked now (marked before
+    included: the model compiled twice, or a copy of a marked model). Eager calls are
+    unchanged: outside ``torch.compile`` a region is a plain call."""
     if not regions_supported():
         return 0
     marked = 0
@@ -99,9 +101,12 @@ def mark_repeated_layers(model: nn.Module) -> int:
             current = layer.__dict__.get("forward")
             if current is not None:
                 if getattr(getattr(current, "__func__", None), _MARKED, False):
-                    continue  # marked before (the model compiled twice)
-                # An instance forward the user set (a hook or patch): leave the layer as it is.
+                    _marked_layers.add(layer)  # marked before: a copy's layers are checked too
+                    marked += 1
+                # Else an instance forward the user set (a hook or patch): the layer stays as it is.
                 continue
+            # (A bound method on the instance: a reference cycle, so a dropped model is freed
+            # by the garbage collector rather than at once; unmark_repeated_layers breaks it.)
             layer.forward = types.MethodType(region, layer)
             _marked_layers.add(layer)
             marked += 1
@@ -123,24 +128,56 @@ def unmark_repeated_layers(model: nn.Module) -> int:
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
-    keys = [m.layer_key for m in layer.modules() if isinstance(m, CacheOwner)]
+    keys = [key for m in layer.modules() if isinstance(key := getattr(m, "layer_key", None), torch.Tensor)]
     return [*layer.parameters(), *layer.buffers(), *keys]
+
+
+def _key_operands(call: torch.fx.Node, region: torch.fx.GraphModule) -> list[Any]:
+    """The operands of region call ``call`` that reach a fullcg op's ``layer`` key inside it."""
+    placeholders = list(region.graph.find_nodes(op="placeholder"))
+    operands = call.args[2:]
+    found = []
+    for node in region.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "fullcg":
+            continue
+        names = [a.name for a in node.target._schema.arguments]
+        if "layer" not in names:
+            continue
+        i = names.index("layer")
+        key = node.args[i] if i < len(node.args) else node.kwargs.get("layer")
+        if isinstance(key, torch.fx.Node) and key in placeholders:
+            found.append(operands[placeholders.index(key)])
+    return found
 
 
 def check_region_calls(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
     """Raise :class:`RegionReuseError` unless every region call of ``gm`` reads the tensors
-    of one marked layer, a layer no other call reads (see the module doc)."""
+    of one layer, a layer no other call reads (see the module doc): layers are told apart
+    by the attention keys a call reads, and, for layers :func:`mark_repeated_layers` marked,
+    by their weights."""
     hop = _invoke_subgraph()
     calls = [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
     if not calls:
         return
+    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    key_read_by: dict[int, torch.fx.Node] = {}
+    for call in calls:
+        for operand in _key_operands(call, getattr(gm, call.args[0].target)):
+            key = inputs.get(operand) if isinstance(operand, torch.fx.Node) else None
+            if key is None:
+                continue
+            first = key_read_by.setdefault(id(key), call)
+            if first is not call:
+                raise RegionReuseError(
+                    f"fullcg: region calls {first.name} and {call.name} read one attention layer's key (Dynamo gave a "
+                    "stamped-out layer another layer's tensors)"
+                )
     owner: dict[int, int] = {}
     shared: set[int] = set()
     for layer in list(_marked_layers):
         for t in _layer_tensors(layer):
             if owner.setdefault(id(t), id(layer)) != id(layer):
                 shared.add(id(t))  # tied between layers: names neither
-    inputs = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
     read_by: dict[int, torch.fx.Node] = {}
     for call in calls:
         layers = {owner[id(v)] for a in call.args[2:] if isinstance(a, torch.fx.Node)

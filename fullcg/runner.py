@@ -456,6 +456,10 @@ class StepRunner:
             if self.full_graphs:
                 logger.info("fullcg: the model's KV caches changed; its %d full CUDA graphs are captured again on "
                             "the new ones when next used", len(self.full_graphs))
+                if self.pool is not None:
+                    # Into a new pool: dropping the graphs may leave the old one without a live
+                    # graph (graph_mode="full"), and such a pool cannot be captured into again.
+                    self.pool = torch.cuda.graph_pool_handle()
             self.full_graphs.clear()
             self._planners.clear()
             self.static_metadata.clear()

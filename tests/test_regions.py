@@ -12,7 +12,8 @@ import fullcg
 from batches import side_by_side
 from fullcg.models.llama import LlamaConfig, LlamaModel
 from fullcg.ops.attention import LAYER_FROM_KEY
-from fullcg.regions import inline_regions, mark_repeated_layers, regions_supported
+from fullcg.errors import RegionReuseError
+from fullcg.regions import check_region_calls, inline_regions, mark_repeated_layers, regions_supported
 
 needs_regions = pytest.mark.skipif(
     not regions_supported(), reason="this torch does not reuse a nested compile region's trace (torch 2.13 and later do)"
@@ -67,10 +68,12 @@ def test_with_trace_layers_once_off_every_layer_is_traced_and_nothing_is_marked(
 
 
 @needs_regions
-def test_marking_twice_marks_nothing_more_and_eager_calls_are_unchanged():
+def test_marking_twice_keeps_the_first_marks_and_eager_calls_are_unchanged():
     model = _model()
     assert mark_repeated_layers(model) == 4
-    assert mark_repeated_layers(model) == 0
+    first = [layer.forward for layer in model.layers]
+    assert mark_repeated_layers(model) == 4  # counted as marked, not marked again
+    assert [layer.forward.__func__ for layer in model.layers] == [f.__func__ for f in first]
     unmarked = _model()
     ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
     md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
@@ -292,3 +295,89 @@ def test_an_error_of_the_model_itself_is_raised_not_retried():
     with torch.inference_mode(), pytest.raises(RuntimeError, match="forward context"):
         compiled(torch.tensor([1, 2]), torch.arange(2))  # no forward context entered
     assert compiled._marked == regions_supported()  # still marked: the model's error is not the regions'
+
+
+def _region_graph(keys: list[torch.Tensor]) -> tuple[torch.fx.GraphModule, list[object]]:
+    """Dynamo's graph of one attention region called once per key (what the backend receives)."""
+    region = torch.compiler.nested_compile_region(
+        lambda q, key: torch.ops.fullcg.attention_with_lse.default(
+            q, q, q, torch.empty_like(q), -1, use_kv_cache=False, layer=key))
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    def f(q, keys):
+        return [region(q, key) for key in keys]
+
+    torch._dynamo.reset()
+    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
+    with torch.inference_mode(), fullcg.forward_context(md):
+        torch.compile(f, backend=keep, fullgraph=True)(torch.randn(3, 2, 16), keys)
+    return graphs[0][0], list(graphs[0][1])
+
+
+@needs_regions
+def test_region_calls_reading_one_layers_key_are_refused_and_distinct_keys_pass():
+    a, b = torch.tensor([0, 0]), torch.tensor([1, 0])
+    check_region_calls(*_region_graph([a, b]))
+    with pytest.raises(RegionReuseError, match="read one attention layer's key"):
+        check_region_calls(*_region_graph([a, a]))
+
+
+@needs_regions
+def test_a_copy_of_a_marked_model_is_checked_and_traced_once_too():
+    model = _model()
+    mark_repeated_layers(model)
+    copied = copy.deepcopy(model)  # its layers carry marked forwards of their own
+    copied.allocate_kv_cache(num_pages=64, page_size=4)
+    worst, compiled = _run(copied)
+    assert worst < 1e-5 and compiled._marked
+    assert [r.regions for r in compiled.runners] == [(4, 1)]
+
+
+def test_trace_layers_once_off_unmarks_layers_an_earlier_compile_marked():
+    model = _model()
+    mark_repeated_layers(model)
+    fullcg.compile(model, trace_layers_once=False)
+    assert all("forward" not in layer.__dict__ for layer in model.layers)
+
+
+@needs_regions
+def test_an_error_the_backend_raises_is_raised_once_not_retried_without_regions(caplog, monkeypatch):
+    import fullcg.backend
+    from fullcg.errors import InvalidConfigError
+
+    def refuse(*args, **kwargs):
+        raise InvalidConfigError("refused for the test")
+
+    monkeypatch.setattr(fullcg.backend, "_cached_compile", refuse)
+    torch._dynamo.reset()
+    model = _model()
+    compiled = fullcg.compile(model, compiler="eager", graph_mode="piecewise")
+    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
+    with torch.inference_mode(), fullcg.forward_context(md, model), pytest.raises(InvalidConfigError, match="refused"):
+        compiled(torch.tensor([1, 2, 3]), torch.arange(3))
+    assert compiled._marked and "as compile regions failed" not in caplog.text
+
+
+def test_a_runner_drops_its_full_graphs_when_the_caches_change():
+    from fullcg.context import forward_context
+
+    model = _model()
+    compiled = fullcg.compile(model, compiler="eager", graph_mode="full_and_piecewise")
+    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
+    with torch.inference_mode():
+        with forward_context(md, model):
+            compiled(torch.tensor([1, 2, 3]), torch.arange(3))
+        (runner,) = compiled.runners
+        runner.full_graphs[(1, True)] = object()  # stands for a graph captured on the old caches
+        with forward_context(md, model):
+            compiled(torch.tensor([1, 2, 3]), torch.arange(3))
+        assert runner.full_graphs  # same caches: kept
+        model.allocate_kv_cache(num_pages=64, page_size=4)
+        with forward_context(md, model):
+            compiled(torch.tensor([1, 2, 3]), torch.arange(3))
+    assert not runner.full_graphs
+    assert dict(runner._cache_uids) == {a.layer_id: a.kv_cache.uid for a in model.attention_layers()}

@@ -132,7 +132,7 @@ def _bind(op: str, return_lse: bool, q, k, v, out, attrs: tuple, resolve: bool =
     layer_id, kv_tokens, prefill, decode, scale, use_kv_cache, causal, chunk, save, window, softcap, cache_id, layer = attrs
     _check_layer_key(op, layer)
     if layer is not None and not resolve:
-        layer_id, cache_id = 0, 0
+        layer_id, cache_id = None, 0
     else:
         layer_id, cache_id = layer_identity(op, layer_id, cache_id, layer)
     return AttentionCall(
@@ -299,8 +299,8 @@ merge_attn_states = _register(
 )
 
 
-def _check_gather(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int, chunk: int) -> None:
-    where = f"fullcg.gather_prefix_chunk (layer {layer_id})"
+def _check_gather(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int | None, chunk: int) -> None:
+    where = f"fullcg.gather_prefix_chunk (layer {'?' if layer_id is None else layer_id})"
     if k_out.dim() != 3 or v_out.dim() != 3 or k_out.shape[:2] != v_out.shape[:2]:
         raise ValueError(
             f"{where}: k_out and v_out must be [rows, kv_heads, head_dim] with equal rows and heads, "
@@ -340,7 +340,7 @@ def _gather_prefix_chunk(k_out: torch.Tensor, v_out: torch.Tensor, layer_id: int
 
 def _gather_prefix_chunk_fake(k_out, v_out, layer_id, chunk, layer=None) -> None:
     _check_layer_key("gather_prefix_chunk", layer)
-    _check_gather(k_out, v_out, 0 if layer is not None else layer_id, chunk)
+    _check_gather(k_out, v_out, None if layer is not None else layer_id, chunk)
 
 
 gather_prefix_chunk = _register(
@@ -351,8 +351,9 @@ gather_prefix_chunk = _register(
 )
 
 
-def _check_merge_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, layer_id: int) -> None:
-    where = f"fullcg.merge_prefix_chunks (layer {layer_id})"
+def _check_merge_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, layer_id: int | None) -> None:
+    # None: named by a key, read only when the op runs (the fake).
+    where = f"fullcg.merge_prefix_chunks (layer {'?' if layer_id is None else layer_id})"
     if q.dim() != 3 or out.dim() != 3 or out.shape[:2] != q.shape[:2]:
         raise ValueError(
             f"{where}: q must be [tokens, heads, head_dim] and out [tokens, heads, v_head_dim] with q's tokens and "
@@ -365,7 +366,7 @@ def _check_merge_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, l
             f"{where}: lse must be float32 {tuple(q.shape[:2])} [tokens, heads] on {q.device}, "
             f"got {lse.dtype} {tuple(lse.shape)} on {lse.device}"
         )
-    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
+    if layer_id is not None and (isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0):
         raise ValueError(f"{where}: layer_id must be a non-negative integer, got {layer_id!r}")
 
 
@@ -451,7 +452,7 @@ def _merge_prefix_chunks(
 def _merge_prefix_chunks_fake(q, out, lse, layer_id, *attrs, layer=None) -> None:
     layer = attrs[6] if len(attrs) > 6 else layer
     _check_layer_key("merge_prefix_chunks", layer)
-    _check_merge_prefix(q, out, lse, 0 if layer is not None else layer_id)
+    _check_merge_prefix(q, out, lse, None if layer is not None else layer_id)
 
 
 merge_prefix_chunks = _register(
@@ -466,9 +467,9 @@ merge_prefix_chunks = _register(
 
 
 def _check_merge_latent(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, new_latent: torch.Tensor,
-                        kv_b_weight: torch.Tensor, layer_id: int) -> None:
+                        kv_b_weight: torch.Tensor, layer_id: int | None) -> None:
     _check_merge_prefix(q, out, lse, layer_id)
-    where = f"fullcg.merge_latent_prefix_chunks (layer {layer_id})"
+    where = f"fullcg.merge_latent_prefix_chunks (layer {'?' if layer_id is None else layer_id})"
     heads, v_dim = q.shape[1], out.shape[2]
     if new_latent.dim() != 2 or new_latent.shape[0] != q.shape[0]:
         raise ValueError(
@@ -583,7 +584,7 @@ def _merge_latent_prefix_chunks(
 def _merge_latent_prefix_chunks_fake(q, out, lse, new_latent, kv_b_weight, layer_id, *attrs, layer=None) -> None:
     layer = attrs[4] if len(attrs) > 4 else layer
     _check_layer_key("merge_latent_prefix_chunks", layer)
-    _check_merge_latent(q, out, lse, new_latent, kv_b_weight, 0 if layer is not None else layer_id)
+    _check_merge_latent(q, out, lse, new_latent, kv_b_weight, None if layer is not None else layer_id)
 
 
 merge_latent_prefix_chunks = _register(

@@ -41,7 +41,7 @@ class AttentionCall:
     k: torch.Tensor  # [Tkv, Hkv, D]
     v: torch.Tensor  # [Tkv, Hkv, Dv]
     out: torch.Tensor  # [T, Hq, Dv], written in place
-    layer_id: int
+    layer_id: int | None  # None only in the fake, for a layer named by a key
     key_value_num_tokens: int | None
     prefill_scale_factor: float | None
     decode_scale_factor: float | None
@@ -78,7 +78,8 @@ def check_tensors(call: AttentionCall) -> None:
     Runs in the fake implementation too, so bad input fails at trace time.
     """
     q, k, v, out, layer_id = call.q, call.k, call.v, call.out, call.layer_id
-    where = f"fullcg.{call.op} (layer {layer_id})"
+    # None: the layer is named by a key whose value is read only when the op runs (the fake).
+    where = f"fullcg.{call.op} (layer {'?' if layer_id is None else layer_id})"
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t.dim() != 3:
             raise ValueError(f"{where}: {name} must be 3-D [tokens, heads, head_dim], got shape {_shape(t)}")
@@ -103,7 +104,7 @@ def check_tensors(call: AttentionCall) -> None:
     expected_out = (q.shape[0], num_q_heads, v.shape[2])
     if _shape(out) != expected_out:
         raise ValueError(f"{where}: out must have shape {expected_out} [tokens, q_heads, v_head_dim], got {_shape(out)}")
-    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
+    if layer_id is not None and (isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0):
         raise ValueError(f"{where}: layer_id must be a non-negative integer, got {layer_id!r}")
     kv_tokens = call.key_value_num_tokens
     if kv_tokens is not None:

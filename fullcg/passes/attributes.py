@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 #: ``node.meta`` key of the layer id a node's ``layer`` key input held when the graph was
-#: compiled (written by :func:`fullcg.passes.regions.resolve_layer_keys`).
+#: compiled (written by :func:`resolve_layer_keys`).
 LAYER_ID_META = "fullcg_layer_id"
 
 _ATTENTION_OPS = frozenset(ATTENTION_OPS.values())
@@ -110,7 +110,7 @@ def _check_one_save_per_layer(graph: torch.fx.Graph) -> None:
             continue
         layer = node_layer_id(node)
         if layer is None:
-            continue  # a key input whose value was not known at compile time: the op checks when it runs
+            continue  # a key whose value the compiler was not given (fake inputs): not checked
         first = saved.setdefault(layer, node)
         if first is not node:
             raise ValueError(
