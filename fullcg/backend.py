@@ -370,24 +370,24 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     with lazy_graph_modules():  # its code is generated only if something reads it (the compile cache's key)
         gm = inline_regions(gm, make_graph_module)
     resolve_layer_keys(gm, example_inputs)
-    runner = _cached_compile(gm, example_inputs, config, counts)
+    runner = _cached_compile(gm, example_inputs, config, counts, regions)
     runner.regions = regions
     return runner
 
 
 def _cached_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig,
-                    counts: StepCounts | None) -> StepRunner:
+                    counts: StepCounts | None, regions: tuple[int, int] = (0, 0)) -> StepRunner:
     """:func:`_compile_graph` inside a compile-cache session (when the cache is on), once
     more without any cache if the session fails outside a piece."""
     cache = compile_cache.cache_for(config)
     with torch.no_grad():
         if cache is None:
-            return _compile_graph(gm, example_inputs, config, PieceFallbacks(), counts)
+            return _compile_graph(gm, example_inputs, config, PieceFallbacks(), counts, regions)
         key = cache.key(gm, example_inputs, config, _passes(config).uuid())
         fallbacks = PieceFallbacks(in_cache_session=True)
         try:
             with cache.session(key):
-                runner = _compile_graph(gm, example_inputs, config, fallbacks, counts)
+                runner = _compile_graph(gm, example_inputs, config, fallbacks, counts, regions)
         except FullCGError:
             raise  # fullcg refused the graph or its config: no cache is involved
         except Exception as exc:
@@ -402,7 +402,7 @@ def _cached_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], con
                 cache.discard(key)  # the next process compiles and stores it afresh
             return runner
         with compile_cache.uncached_compile():
-            return _compile_graph(gm, example_inputs, config, PieceFallbacks(), counts)
+            return _compile_graph(gm, example_inputs, config, PieceFallbacks(), counts, regions)
 
 
 def _passes(config: FullCGConfig) -> PassManager:
@@ -412,7 +412,7 @@ def _passes(config: FullCGConfig) -> PassManager:
 
 def _compile_graph(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, fallbacks: PieceFallbacks,
-    counts: StepCounts | None,
+    counts: StepCounts | None, regions: tuple[int, int] = (0, 0),
 ) -> StepRunner:
     device = device_of(example_inputs)
     dump = GraphDump(config.dump_dir)
@@ -453,7 +453,7 @@ def _compile_graph(
     piecewise_fn = runnable if config.graph_mode.wants_piecewise else None
     full_fn = runnable if config.graph_mode.wants_full else None
 
-    report = split_report(config, str(device), manager.uuid(), split, shared_with, fallbacks)
+    report = split_report(config, str(device), manager.uuid(), split, shared_with, fallbacks, regions)
     dump.write("split_report.txt", report)
     stager, token_outputs = _token_layout(gm, example_inputs, config, device)
     runner = StepRunner(

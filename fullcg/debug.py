@@ -86,12 +86,14 @@ def split_report(
     split: SplitGraph,
     shared_with: dict[str, str] | None = None,
     fallbacks: dict[str, str] | None = None,
+    regions: tuple[int, int] = (0, 0),
 ) -> str:
     """A plain-text account of how a graph was compiled: modes, capture sizes, pieces, attention nodes.
 
     ``shared_with`` maps a compiled piece that reuses another piece's compilation (same code
     and input metadata) to that piece's name; ``fallbacks`` maps a piece Inductor failed on
-    (it runs as traced) to the error.
+    (it runs as traced) to the error; ``regions`` is ``(layer calls, distinct regions)``
+    Dynamo traced as nested compile regions (:mod:`fullcg.regions`).
     """
     shared_with = shared_with or {}
     fallbacks = fallbacks or {}
@@ -109,6 +111,8 @@ def split_report(
            if config.skip_softmax.per_layer else ""),
         f"capture sizes ({len(sizes)}): {list(sizes)}",
         f"pass uuid: {pass_uuid}",
+        "layers traced: " + (f"{regions[1]} traced layer region(s) served {regions[0]} layer calls" if regions[0]
+                             else "each on its own (no compile regions)"),
         "",
     ]
     mode = config.graph_mode

@@ -42,6 +42,7 @@ def test_dynamo_traces_one_layer_for_all_four_and_the_steps_equal_eager():
     worst, compiled = _run(_model())
     assert worst < 1e-5
     assert [r.regions for r in compiled.runners] == [(4, 1)]  # 4 layer calls, 1 traced region
+    assert "layers traced: 1 traced layer region(s) served 4 layer calls" in compiled.runners[0].report
 
 
 @needs_regions
@@ -64,6 +65,7 @@ def test_with_trace_layers_once_off_every_layer_is_traced_and_nothing_is_marked(
     worst, compiled = _run(model, trace_layers_once=False)
     assert worst < 1e-5
     assert [r.regions for r in compiled.runners] == [(0, 0)]
+    assert "layers traced: each on its own" in compiled.runners[0].report
     assert all("forward" not in layer.__dict__ for layer in model.layers)
 
 
