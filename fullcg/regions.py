@@ -20,10 +20,10 @@ window, its own skip-softmax factors) fails the match and is traced on its own: 
 only slower. Regions need torch's reuse of traced regions (torch 2.13 and later; on
 older versions Dynamo would trace every layer anyway and the marking is skipped).
 
-Dynamo's reuse is checked, not trusted: on torch 2.13 a stamped-out call can be given the
-first layer's tensors in place of its own (seen with layers called one by one,
-``self.layers[1](self.layers[0](x))``), which would run every layer on layer 0's weights
-and cache. :func:`check_region_calls` maps each call's tensor inputs to the marked layer
+Dynamo's reuse is checked, not trusted: on torch 2.13 a stamped-out call is given the
+first layer's tensors in place of its own when the layer is called with plain tensor
+arguments only (``layer(x)``: no keyword, no tuple), which would run every layer on layer
+0's weights and cache. :func:`check_region_calls` maps each call's tensor inputs to the marked layer
 that owns them; a call that reads two layers' tensors, or a layer read by two calls, is a
 :class:`fullcg.errors.RegionReuseError`, on which ``fullcg.compile`` unmarks the layers
 and lets Dynamo trace the model again, layer by layer (one warning). It does the same when

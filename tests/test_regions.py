@@ -204,8 +204,8 @@ class _IndexedLayer(torch.nn.Module):
 
 
 class _IndexedModel(torch.nn.Module):
-    """Layers called one by one, the first on the step's input: torch 2.13's Dynamo stamps
-    the first layer's trace out for the second with the first layer's tensors."""
+    """Layers called with one plain tensor argument: torch 2.13's Dynamo stamps the first
+    layer's trace out for the second with the first layer's tensors."""
 
     def __init__(self) -> None:
         super().__init__()
