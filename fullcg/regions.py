@@ -21,9 +21,10 @@ only slower. Regions need torch's reuse of traced regions (torch 2.13 and later;
 older versions Dynamo would trace every layer anyway and the marking is skipped).
 
 Dynamo's reuse is checked, not trusted: on torch 2.13 a stamped-out call is given the
-first layer's tensors in place of its own when the layer is called with plain tensor
-arguments only (``layer(x)``: no keyword, no tuple), which would run every layer on layer
-0's weights and cache. :func:`check_region_calls` maps each call's tensor inputs to the marked layer
+first layer's tensors in place of its own when the region is called with plain tensor
+arguments only (no keyword, no tuple), which would run every layer on layer 0's weights
+and cache. Marked layers call the region with a keyword (:class:`RegionForward`), which
+avoids that path; the check stays, for what else Dynamo may map wrongly. :func:`check_region_calls` maps each call's tensor inputs to the marked layer
 that owns them; a call that reads two layers' tensors, or a layer read by two calls, is a
 :class:`fullcg.errors.RegionReuseError`, on which ``fullcg.compile`` unmarks the layers
 and lets Dynamo trace the model again, layer by layer (one warning). It does the same when
@@ -36,7 +37,6 @@ from __future__ import annotations
 import inspect
 import logging
 import operator
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -49,14 +49,11 @@ from fullcg.context import CacheOwner
 from fullcg.errors import RegionReuseError
 
 __all__ = [
-    "check_region_calls", "inline_regions", "mark_repeated_layers", "regions_supported", "region_calls",
-    "unmark_repeated_layers",
+    "RegionForward", "check_region_calls", "inline_regions", "mark_repeated_layers", "regions_supported",
+    "region_calls", "unmark_repeated_layers",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Marks a layer's forward as this module's region wrapper (so marking twice is a no-op).
-_MARKED = "__fullcg_region__"
 
 #: Every layer marked so far (weakly): whose tensors :func:`check_region_calls` can name.
 _marked_layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -83,6 +80,36 @@ def _repeated_layer_lists(model: nn.Module) -> list[nn.ModuleList]:
         inner is not outer and _is_layer_list(inner) for layer in outer for inner in layer.modules())]
 
 
+def _layer_forward(layer: nn.Module, *args: Any, _fullcg_region: bool = True, **kwargs: Any) -> Any:
+    """The region every marked layer runs: its class's forward. The keyword it takes (and
+    drops) is what makes Dynamo fingerprint a call through its general path: a call of
+    plain tensor arguments only goes through a fast path that, on torch 2.13, stamps a
+    layer out with the first layer's tensors (see the module doc)."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+class RegionForward:
+    """A marked layer's ``forward``: its class's forward, called through the model's region.
+
+    An object on the instance rather than a bound method: it pickles and copies as an
+    unmarked forward (``region`` None: a plain call), which the next ``fullcg.compile``
+    marks again. It refers to its layer: a reference cycle, so a dropped model is freed by
+    the garbage collector rather than at once (:func:`unmark_repeated_layers` breaks it).
+    """
+
+    def __init__(self, layer: nn.Module, region: Callable[..., Any] | None) -> None:
+        self.layer = layer
+        self.region = region
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.region is None:
+            return type(self.layer).forward(self.layer, *args, **kwargs)
+        return self.region(self.layer, *args, _fullcg_region=True, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return RegionForward, (self.layer, None)
+
+
 def mark_repeated_layers(model: nn.Module) -> int:
     """Make the forward of each repeated layer of ``model`` a nested compile region
     (see the module doc); returns how many of its layers are marked now (marked before
@@ -90,25 +117,21 @@ def mark_repeated_layers(model: nn.Module) -> int:
     unchanged: outside ``torch.compile`` a region is a plain call."""
     if not regions_supported():
         return 0
+    lists = _repeated_layer_lists(model)
+    # One region for the model (Dynamo keys its traces by the region function's code, one
+    # for every marked layer), allowed an entry per layer: layers that cannot share a trace
+    # get their own, never an error for running out of entries.
+    region = torch.compiler.nested_compile_region(
+        _layer_forward, max_reuse_entries=sum(len(layers) for layers in lists) + 1)
     marked = 0
-    for layers in _repeated_layer_lists(model):
-        cls_forward = type(layers[0]).forward
-        # One region function per list, allowed an entry per layer: layers that cannot share
-        # a trace get their own, never an error for running out of entries.
-        region = torch.compiler.nested_compile_region(cls_forward, max_reuse_entries=len(layers) + 1)
-        setattr(region, _MARKED, True)
+    for layers in lists:
         for layer in layers:
             current = layer.__dict__.get("forward")
-            if current is not None:
-                if getattr(getattr(current, "__func__", None), _MARKED, False):
-                    _marked_layers.add(layer)  # marked before: a copy's layers are checked too
-                    marked += 1
-                # Else an instance forward the user set (a hook or patch): the layer stays as it is.
-                continue
-            # (A bound method on the instance: a reference cycle, so a dropped model is freed
-            # by the garbage collector rather than at once; unmark_repeated_layers breaks it.)
-            layer.forward = types.MethodType(region, layer)
-            _marked_layers.add(layer)
+            if current is not None and not isinstance(current, RegionForward):
+                continue  # an instance forward the user set (a hook or patch): the layer stays as it is
+            if current is None or current.region is None:
+                layer.forward = RegionForward(layer, region)
+            _marked_layers.add(layer)  # (marked before too: a copy's layers are checked as well)
             marked += 1
     if marked:
         logger.info("fullcg: %d repeated layers marked to be traced once (nested compile regions)", marked)
@@ -119,8 +142,7 @@ def unmark_repeated_layers(model: nn.Module) -> int:
     """Undo :func:`mark_repeated_layers` on ``model``; returns how many layers it unmarked."""
     unmarked = 0
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if forward is not None and getattr(getattr(forward, "__func__", None), _MARKED, False):
+        if isinstance(module.__dict__.get("forward"), RegionForward):
             del module.__dict__["forward"]
             _marked_layers.discard(module)
             unmarked += 1
