@@ -24,8 +24,9 @@ Dynamo's reuse is checked, not trusted: on torch 2.13 a stamped-out call is give
 first layer's tensors in place of its own when the region is called with plain tensor
 arguments only (no keyword, no tuple), which would run every layer on layer 0's weights
 and cache. Marked layers call the region with a keyword (:class:`RegionForward`), which
-avoids that path; the check stays, for what else Dynamo may map wrongly. :func:`check_region_calls` maps each call's tensor inputs to the marked layer
-that owns them; a call that reads two layers' tensors, or a layer read by two calls, is a
+avoids that path, and :func:`check_region_calls` still maps each call's inputs to the
+layer they belong to (by the attention keys it reads, and the marked layers' weights): a
+call that reads two layers', or a layer read by two calls, is a
 :class:`fullcg.errors.RegionReuseError`, on which ``fullcg.compile`` unmarks the layers
 and lets Dynamo trace the model again, layer by layer (one warning). It does the same when
 tracing with regions fails outright (Dynamo refuses some layers as regions: Gemma 4's,
