@@ -192,6 +192,26 @@ def test_inlined_regions_compute_what_the_regions_did():
     assert torch.allclose(out[0] if isinstance(out, (tuple, list)) else out, f(x, ws))
 
 
+def _step_beside_eager(model: torch.nn.Module) -> fullcg.CompiledModel:
+    """One prefill step of ``model`` (layers with 2 heads of 16 over a 32-wide input)
+    compiled and beside an eager copy, asserted equal; the compiled model."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    for layer in model.layers:
+        layer.attn.allocate_kv_cache(8, 4)
+    eager = copy.deepcopy(model)
+    compiled = fullcg.compile(model, compiler="eager", graph_mode="piecewise")
+    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        with fullcg.forward_context(md, model):
+            got = compiled(x)
+        with fullcg.forward_context(md, eager):
+            expected = eager(x)
+    torch.testing.assert_close(got, expected)
+    return compiled
+
+
 class _IndexedLayer(torch.nn.Module):
     def __init__(self, layer_id: int) -> None:
         super().__init__()
@@ -217,21 +237,7 @@ class _IndexedModel(torch.nn.Module):
 
 @needs_regions
 def test_layers_called_with_one_plain_tensor_share_a_region_each_on_its_own_tensors(caplog):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _IndexedModel()
-    for layer in model.layers:
-        layer.attn.allocate_kv_cache(8, 4)
-    eager = copy.deepcopy(model)
-    compiled = fullcg.compile(model, compiler="eager", graph_mode="piecewise")
-    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
-    x = torch.randn(3, 32)
-    with torch.inference_mode():
-        with fullcg.forward_context(md, model):
-            got = compiled(x)
-        with fullcg.forward_context(md, eager):
-            expected = eager(x)
-    torch.testing.assert_close(got, expected)  # every layer on its own weights and cache
+    compiled = _step_beside_eager(_IndexedModel())  # every layer on its own weights and cache
     # One region serves both layers: the region is called with a keyword, which keeps
     # Dynamo off the path that would hand the second layer the first one's tensors.
     assert [r.regions for r in compiled.runners] == [(2, 1)]
@@ -268,21 +274,7 @@ class _SharingModel(torch.nn.Module):
 
 @needs_regions
 def test_layers_dynamo_cannot_hold_as_regions_are_traced_on_their_own_with_one_warning(caplog):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _SharingModel()
-    for layer in model.layers:
-        layer.attn.allocate_kv_cache(8, 4)
-    eager = copy.deepcopy(model)
-    compiled = fullcg.compile(model, compiler="eager", graph_mode="piecewise")
-    md = fullcg.AttentionMetadata.build([3], [0], torch.tensor([[0]]), 4)
-    x = torch.randn(3, 32)
-    with torch.inference_mode():
-        with fullcg.forward_context(md, model):
-            got = compiled(x)
-        with fullcg.forward_context(md, eager):
-            expected = eager(x)
-    torch.testing.assert_close(got, expected)
+    compiled = _step_beside_eager(_SharingModel())
     assert [r.regions for r in compiled.runners] == [(0, 0)]
     warnings = [r for r in caplog.records if "as compile regions failed" in r.getMessage()]
     assert len(warnings) == 1 and "InternalTorchDynamoError" in warnings[0].getMessage()
