@@ -351,11 +351,15 @@ def _graph_after_passes(gm: torch.fx.GraphModule, manager: PassManager) -> torch
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig,
-                  counts: StepCounts | None = None) -> StepRunner:
+                  counts: StepCounts | None = None, *, regions: tuple[int, int] | None = None) -> StepRunner:
     """Compile ``gm`` as pieces and return a runner over the variants ``config.graph_mode`` needs,
     counting its steps in ``counts`` (the compiled model's; default: counts of its own).
+    ``regions``: (layer calls, distinct regions) of a graph whose regions were inlined
+    already (a warm start's); by default they are counted, checked and inlined here.
 
-    fullcg compiles inference steps: pieces are compiled and run without autograd.
+    fullcg compiles inference steps: pieces are compiled and run without autograd. With
+    ``config.warm_start``, the runner's ``source`` holds the graph it was compiled from and
+    its example inputs until a warm-start entry is written from them (:mod:`fullcg.warm_start`).
     """
     if torch.is_grad_enabled():
         log_once(
@@ -363,15 +367,18 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             "fullcg: the model was compiled with autograd enabled; fullcg compiles inference steps and runs "
             "them without recording gradients (wrap steps in torch.inference_mode() to silence this)"
         )
-    regions = region_calls(gm)
-    if regions[0]:
-        check_region_calls(gm, list(example_inputs))
-        logger.info("fullcg: Dynamo traced %d distinct layer region(s) for %d layer calls", regions[1], regions[0])
-    with lazy_graph_modules():  # its code is generated only if something reads it (the compile cache's key)
-        gm = inline_regions(gm, make_graph_module)
+    if regions is None:
+        regions = region_calls(gm)
+        if regions[0]:
+            check_region_calls(gm, list(example_inputs))
+            logger.info("fullcg: Dynamo traced %d distinct layer region(s) for %d layer calls", regions[1], regions[0])
+        with lazy_graph_modules():  # its code is generated only if something reads it (the compile cache's key)
+            gm = inline_regions(gm, make_graph_module)
     resolve_layer_keys(gm, example_inputs)
     runner = _cached_compile(gm, example_inputs, config, counts, regions)
     runner.regions = regions
+    if config.warm_start and compile_cache.cache_for(config) is not None:
+        runner.source = (gm, list(example_inputs))
     return runner
 
 

@@ -8,6 +8,8 @@ fullcg keeps one entry per graph Dynamo hands to the backend, under the cache di
   cache entries, autotuning results, AOTAutograd entries) and loaded back with
   ``torch.compiler.load_cache_artifacts`` before the graph is compiled again, so Inductor
   finds everything in its caches;
+- ``warm/<key>.bin``: the graphs Dynamo traced for a model and how its steps map onto
+  them, for warm starts without Dynamo's tracing (:mod:`fullcg.warm_start`);
 - ``inductor/``: Inductor's (and, through it, Triton's) cache directory while fullcg
   compiles, unless ``TORCHINDUCTOR_CACHE_DIR`` was set by the user. Compiled kernels
   (C++ shared objects on the CPU, Triton binaries on the GPU) live there, so a warm start
@@ -70,6 +72,10 @@ __all__ = [
     "CompileCache",
     "cache_for",
     "cache_stats",
+    "count",
+    "file_digest",
+    "fullcg_sources",
+    "package_versions",
     "reset_cache_stats",
     "traced_source_files",
     "uncached_compile",
@@ -90,6 +96,12 @@ _UNSIGNED = b"-" * 64
 # process) and without leaking its descriptor into subprocesses Inductor starts.
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+#: Entry kinds, each a subdirectory of the root: compiled graphs' artifacts, and traced
+#: graphs for warm starts without Dynamo (:mod:`fullcg.warm_start`), whose counts in
+#: :func:`cache_stats` carry the prefix ``warm_``.
+GRAPHS = "graphs"
+WARM = "warm"
+_PREFIX = {GRAPHS: "", WARM: "warm_"}
 _SHARE_HINT = ("to share a cache on purpose, see 'Caches and trust' in docs/configuration.md "
                f"(trust_shared_cache=True or {ENV_TRUST_SHARED_CACHE}=1, or a signing key in {ENV_CACHE_KEY})")
 
@@ -108,6 +120,10 @@ def cache_stats() -> collections.Counter[str]:
     last two are warned about and compiled anew. Also ``store`` per entry written, and
     ``inductor_private`` per compile whose Inductor cache was a private directory of this
     process because ``inductor/`` failed the check or could not be written.
+
+    Warm-start entries (:mod:`fullcg.warm_start`) count as ``warm_hit``, ``warm_miss``,
+    ``warm_bad``, ``warm_untrusted`` and ``warm_store``, and ``warm_stale`` for an entry
+    traced from source files that have changed since.
     """
     with _stats_lock:
         return collections.Counter(_stats)
@@ -119,7 +135,8 @@ def reset_cache_stats() -> None:
         _stats.clear()
 
 
-def _count(what: str) -> None:
+def count(what: str) -> None:
+    """Count one outcome in :func:`cache_stats`."""
     with _stats_lock:
         _stats[what] += 1
 
@@ -163,7 +180,8 @@ def cache_root(config: FullCGConfig) -> tuple[Path, bool]:
     return Path(root).expanduser(), config.trust_shared_cache or _truthy_env(ENV_TRUST_SHARED_CACHE)
 
 
-def _package_versions() -> tuple[str, str]:
+def package_versions() -> tuple[str, str]:
+    """The torch and triton versions (``"none"`` without triton) every key covers."""
     try:
         import triton
 
@@ -173,7 +191,8 @@ def _package_versions() -> tuple[str, str]:
     return torch.__version__, triton_version
 
 
-def _file_digest(path: str) -> str:
+def file_digest(path: str) -> str:
+    """The SHA-256 of a file's bytes, ``"unreadable"`` when it cannot be read."""
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
@@ -189,7 +208,8 @@ def traced_source_files(gm: torch.fx.GraphModule) -> list[str]:
     return sorted(files)
 
 
-def _fullcg_sources() -> list[str]:
+def fullcg_sources() -> list[str]:
+    """fullcg's own source files, which every key covers."""
     root = Path(__file__).parent
     return sorted(str(p) for p in root.rglob("*.py"))
 
@@ -224,16 +244,17 @@ class CompileCache:
 
     def key(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, pass_uuid: str) -> str:
         """The entry key of compiling ``gm`` under ``config``: everything the result depends on."""
-        # Where dumps and the cache go, and whom the cache trusts, do not change what is compiled.
-        relevant = config.replace(dump_dir=None, cache_dir=None, trust_shared_cache=False)
-        sources = [(f, _file_digest(f)) for f in sorted({*traced_source_files(gm), *_fullcg_sources()})]
-        text = repr((_FORMAT, pass_uuid, repr(relevant), _package_versions(), gm.code,
+        # Where dumps and the cache go, whom the cache trusts and whether warm starts are
+        # kept do not change what is compiled.
+        relevant = config.replace(dump_dir=None, cache_dir=None, trust_shared_cache=False, warm_start=True)
+        sources = [(f, file_digest(f)) for f in sorted({*traced_source_files(gm), *fullcg_sources()})]
+        text = repr((_FORMAT, pass_uuid, repr(relevant), package_versions(), gm.code,
                      input_signature(example_inputs), sources))
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def entry_path(self, key: str) -> Path:
-        """Where entry ``key`` lives."""
-        return self.root / "graphs" / f"{key}.bin"
+    def entry_path(self, key: str, kind: str = GRAPHS) -> Path:
+        """Where entry ``key`` of ``kind`` (:data:`GRAPHS` or :data:`WARM`) lives."""
+        return self.root / kind / f"{key}.bin"
 
     def load(self, key: str) -> bool:
         """Load entry ``key`` into torch's caches. False on a miss, and (after one warning)
@@ -248,43 +269,11 @@ class CompileCache:
     def _lookup(self, key: str) -> tuple[bool, bool]:
         """:meth:`load`, and whether a fresh entry may be written in its place after a miss:
         never under an untrusted directory, nor over a refused file that is not ours."""
+        payload, may_store = self.read(key)
+        if payload is None:
+            return False, may_store
         path = self.entry_path(key)
-        if self._check_entry_owners:
-            problem = cache_trust.check_path(self.root, path.parent)
-            if problem is not None:
-                _count("untrusted")
-                self._warn_directory(problem)
-                return False, False
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            _count("miss")
-            return False, True
-        except OSError as exc:
-            return False, self._bad(path, f"unreadable ({exc}: let this user read the cache, or give it a cache of "
-                                          "its own)", self._replaceable(path))
-        # Judged on the descriptor that is read: a file swapped in after a check of the path
-        # would otherwise be loaded unchecked.
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            replaceable = self.trust_shared or cache_trust.owned_by_me(st)
-            if not stat.S_ISREG(st.st_mode):
-                return False, self._bad(path, "not a regular file", replaceable)
-            if self._check_entry_owners and (why := cache_trust.why_untrusted(st)) is not None:
-                return False, self._refuse(path, why, self._fix_for(path, why), replaceable)
-            data = f.read()
-        fields = data.split(b"\n", 4)
-        if (len(fields) < 5 or fields[0] + b"\n" != _MAGIC or fields[1] != key.encode() or len(fields[2]) != 64
-                or len(fields[3]) != 64):
-            return False, self._bad(path, "truncated or not a fullcg cache entry", replaceable)
-        digest, signature, payload = fields[2], fields[3], fields[4]
-        if hashlib.sha256(payload).hexdigest().encode() != digest:
-            return False, self._bad(path, "corrupt (checksum mismatch)", replaceable)
-        if self.secret is not None and not cache_trust.verify(self.secret, signature, _MAGIC + key.encode() + b"\n",
-                                                              payload):
-            why = f"not signed with the key in {ENV_CACHE_KEY} (unsigned, altered, or signed with another key)"
-            return False, self._refuse(path, why, "remove it; entries written while the key is set are signed",
-                                       replaceable)
+        replaceable = self._replaceable(path)
         try:
             info = torch.compiler.load_cache_artifacts(payload)
         except Exception as exc:  # a torch that cannot read it: recompile rather than fail
@@ -292,9 +281,55 @@ class CompileCache:
                                     replaceable)
         if info is None:
             return False, self._bad(path, "not loadable (torch could not deserialize its artifacts)", replaceable)
-        _count("hit")
+        count("hit")
         logger.info("fullcg: compile cache hit: %s", path)
         return True, False
+
+    def read(self, key: str, kind: str = GRAPHS) -> tuple[bytes | None, bool]:
+        """The payload of entry ``key`` of ``kind`` once every check passed (None on a miss
+        and, after one warning, for an entry that is bad or not trusted), and whether a
+        fresh entry may be written in its place. Counted in :func:`cache_stats` as
+        ``miss``, ``bad`` or ``untrusted`` (with ``kind``'s prefix, see :data:`WARM`);
+        the caller counts the hit once it could use the payload."""
+        path = self.entry_path(key, kind)
+        prefix = _PREFIX[kind]
+        if self._check_entry_owners:
+            problem = cache_trust.check_path(self.root, path.parent)
+            if problem is not None:
+                count(prefix + "untrusted")
+                self._warn_directory(problem)
+                return None, False
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            count(prefix + "miss")
+            return None, True
+        except OSError as exc:
+            return None, self._bad(path, f"unreadable ({exc}: let this user read the cache, or give it a cache of "
+                                         "its own)", self._replaceable(path), prefix)
+        # Judged on the descriptor that is read: a file swapped in after a check of the path
+        # would otherwise be loaded unchecked.
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            replaceable = self.trust_shared or cache_trust.owned_by_me(st)
+            if not stat.S_ISREG(st.st_mode):
+                return None, self._bad(path, "not a regular file", replaceable, prefix)
+            if self._check_entry_owners and (why := cache_trust.why_untrusted(st)) is not None:
+                return None, self._refuse(path, why, self._fix_for(path, why), replaceable, prefix)
+            data = f.read()
+        fields = data.split(b"\n", 4)
+        if (len(fields) < 5 or fields[0] + b"\n" != _MAGIC or fields[1] != key.encode() or len(fields[2]) != 64
+                or len(fields[3]) != 64):
+            return None, self._bad(path, "truncated or not a fullcg cache entry", replaceable, prefix)
+        digest, signature, payload = fields[2], fields[3], fields[4]
+        if hashlib.sha256(payload).hexdigest().encode() != digest:
+            return None, self._bad(path, "corrupt (checksum mismatch)", replaceable, prefix)
+        if self.secret is not None and not cache_trust.verify(self.secret, signature, _MAGIC + key.encode() + b"\n",
+                                                              payload):
+            why = f"not signed with the key in {ENV_CACHE_KEY} (unsigned, altered, or signed with another key)"
+            return None, self._refuse(path, why, "remove it; entries written while the key is set are signed",
+                                      replaceable, prefix)
+        return payload, False
 
     def _replaceable(self, path: Path) -> bool:
         """Whether fullcg may delete or overwrite the entry at ``path``: when it is ours, or
@@ -306,8 +341,8 @@ class CompileCache:
         except OSError:
             return False
 
-    def _bad(self, path: Path, why: str, replaceable: bool) -> bool:
-        _count("bad")
+    def _bad(self, path: Path, why: str, replaceable: bool, prefix: str = "") -> bool:
+        count(prefix + "bad")
         if replaceable:
             _warn_once(path, "fullcg: compile cache entry %s is %s; compiling anew and replacing it", path, why)
             with contextlib.suppress(OSError):
@@ -317,9 +352,9 @@ class CompileCache:
                        "yours to replace)", path, why)
         return replaceable
 
-    def _refuse(self, path: Path, why: str, fix: str, replaceable: bool) -> bool:
+    def _refuse(self, path: Path, why: str, fix: str, replaceable: bool, prefix: str = "") -> bool:
         """An entry that failed the trust check: ignored, and deleted only when it is ours."""
-        _count("untrusted")
+        count(prefix + "untrusted")
         what = "compiling anew and replacing it" if replaceable else "compiling anew and leaving it in place"
         _warn_once(path, "fullcg: not trusting compile cache entry %s: it is %s, and loading an entry runs the code in "
                    "it; %s. To fix: %s; %s", path, why, what, fix, _SHARE_HINT)
@@ -350,9 +385,9 @@ class CompileCache:
                    "runs the code in it; %s. To fix: %s; %s", problem.path, problem.reason, effect,
                    self._fix_for(problem.path, problem.reason), _SHARE_HINT)
 
-    def discard(self, key: str) -> None:
+    def discard(self, key: str, kind: str = GRAPHS) -> None:
         """Remove entry ``key`` (it loaded, but compiling from it failed), when it is ours to remove."""
-        path = self.entry_path(key)
+        path = self.entry_path(key, kind)
         if self._replaceable(path):
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -368,8 +403,12 @@ class CompileCache:
         if saved is None:
             logger.info("fullcg: compiling produced no cache artifacts; nothing stored")
             return
-        payload = saved[0]
-        path = self.entry_path(key)
+        self.write(key, saved[0])
+
+    def write(self, key: str, payload: bytes, kind: str = GRAPHS) -> None:
+        """Write ``payload`` as entry ``key`` of ``kind`` (temp file and rename; signed under
+        a key). A failure to write is a warning: it costs the next start, not this one."""
+        path = self.entry_path(key, kind)
         try:
             cache_trust.make_cache_dir(path.parent, shared=self._shared_modes)
             # Temp file + rename: a concurrent reader sees the old entry or the new one, never half.
@@ -388,7 +427,7 @@ class CompileCache:
         except OSError as exc:  # a read-only or full disk costs the next start, not this one
             logger.warning("fullcg: could not write compile cache entry %s: %s", path, exc)
             return
-        _count("store")
+        count(_PREFIX[kind] + "store")
         logger.info("fullcg: compile cache stored: %s (%d bytes)", path, len(payload))
 
     def inductor_dir(self) -> Path:
@@ -408,7 +447,7 @@ class CompileCache:
 
     @staticmethod
     def _private_inductor_dir() -> Path:
-        _count("inductor_private")
+        count("inductor_private")
         return cache_trust.private_dir("inductor")
 
     @contextlib.contextmanager

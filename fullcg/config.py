@@ -307,6 +307,11 @@ class FullCGConfig:
             ``ModuleList`` of one class holding fullcg attention) as nested compile regions,
             so Dynamo traces one layer and reuses its graph for the others
             (:mod:`fullcg.regions`; torch 2.13 and later, skipped on older versions).
+        warm_start: with the compile cache on, ``fullcg.compile`` keeps each graph Dynamo
+            traced, with how a step's arguments and the model's tensors map onto it, in
+            the cache, and the next process with the same model, step arguments and
+            config compiles that graph from the cache and runs its first step without
+            Dynamo's tracing (:mod:`fullcg.warm_start`).
     """
 
     attention_impl: str = "auto"
@@ -326,6 +331,7 @@ class FullCGConfig:
     trust_shared_cache: bool = False
     mla_mha_min_tokens: int | None = 2048
     trace_layers_once: bool = True
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
@@ -375,7 +381,8 @@ class FullCGConfig:
             _positive_int(self.auto_full_max_tokens, "auto_full_max_tokens")
         if self.mla_mha_min_tokens is not None:
             _positive_int(self.mla_mha_min_tokens, "mla_mha_min_tokens")
-        for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache", "trace_layers_once"):
+        for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache", "trace_layers_once",
+                     "warm_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.trust_shared_cache, bool):

@@ -103,10 +103,11 @@ class DirectDispatch:
         return [True] * len(entries)
 
     def learn(self, args: Sequence[Any], calls: Sequence[tuple[StepRunner, tuple[Any, ...], Any]],
-              result: Any) -> None:
-        """Learn a route from one step Dynamo ran: ``calls`` are its runner calls."""
+              result: Any) -> _Route | None:
+        """Learn a route from one step Dynamo ran: ``calls`` are its runner calls. Returns
+        the route learned, if any."""
         if len(calls) != 1 or not args or not all(isinstance(a, torch.Tensor) and a.dim() >= 1 for a in args):
-            return
+            return None
         runner, graph_args, out = calls[0]
         stager = runner.stager
         ctx = context.current_context()
@@ -119,10 +120,10 @@ class DirectDispatch:
             self._kv_caches = None
         facts_read = self._facts_read.get(id(runner))
         if stager is None or ctx is None or facts_read is None or any(r.runner is runner for r in self._routes):
-            return
+            return None
         n = args[0].shape[0]
         if any(a.shape[0] != n for a in args):
-            return
+            return None
         user_slots, template = [], list(graph_args)
         keys = (key for m in self._model.modules() if isinstance(key := getattr(m, "layer_key", None), torch.Tensor))
         model_tensors = {id(t) for t in (*self._model.parameters(), *self._model.buffers(), *keys)}
@@ -133,26 +134,57 @@ class DirectDispatch:
             if match is not None:
                 user_slots.append((pos, match))
             elif not (isinstance(value, torch.Tensor) and id(value) in model_tensors):
-                return  # an input that is neither the step's nor the model's: only Dynamo knows it
+                return None  # an input that is neither the step's nor the model's: only Dynamo knows it
         if sorted(pos for pos, _ in user_slots) != sorted(stager.token_args):
-            return
+            return None
         if result is out:
             unwrap = False
         elif isinstance(out, (tuple, list)) and len(out) == 1 and result is out[0]:
             unwrap = True
         else:
-            return
+            return None
         signature = tuple((a.dtype, a.device, tuple(a.shape[1:])) for a in args)
         if self._signature is not None and signature != self._signature:
-            return
+            return None
         for pos, _ in user_slots:
             template[pos] = None  # not kept alive: filled in by every step
         self._signature = signature
         self._kv_caches = ctx.kv_caches
         facts = context.static_facts()
-        self._routes.append(_Route(runner, template, tuple(user_slots), tuple(stager.size_args), unwrap,
-                                   tuple((i, facts[i]) for i in facts_read)))
+        route = _Route(runner, template, tuple(user_slots), tuple(stager.size_args), unwrap,
+                       tuple((i, facts[i]) for i in facts_read))
+        self._routes.append(route)
         self._by_key.clear()
+        return route
+
+    def route(self, runner: StepRunner, graph_args: Sequence[Any], slots: Sequence[tuple[str, Any]], unwrap: bool,
+              facts: tuple[tuple[int, object], ...]) -> _Route:
+        """A route to ``runner`` (a warm start's, :mod:`fullcg.warm_start`): ``graph_args``
+        are its inputs, with the step's arguments and sizes where ``slots`` say
+        ``("arg", j)`` and ``("size", None)``; ``facts`` are those its guards read."""
+        user_slots = tuple((pos, what) for pos, (kind, what) in enumerate(slots) if kind == "arg")
+        size_slots = tuple(pos for pos, (kind, _) in enumerate(slots) if kind == "size")
+        template = [None if kind in ("arg", "size") else value for (kind, _), value in zip(slots, graph_args)]
+        return _Route(runner, template, user_slots, size_slots, unwrap, tuple(facts))
+
+    def add_route(self, route: _Route, args: Sequence[torch.Tensor]) -> None:
+        """Take steps like ``args``, in this forward context, on ``route`` from now on."""
+        ctx = context.current_context()
+        self._signature = tuple((a.dtype, a.device, tuple(a.shape[1:])) for a in args)
+        self._kv_caches = ctx.kv_caches if ctx is not None else None
+        self._routes.append(route)
+        self._by_key.clear()
+
+    @staticmethod
+    def slots_of(route: _Route) -> list[tuple[str, Any] | None]:
+        """Per input of ``route``'s graph: ``("arg", j)``, ``("size", None)``, or None for a
+        tensor of the model."""
+        slots: list[tuple[str, Any] | None] = [None] * len(route.template)
+        for pos, j in route.user_slots:
+            slots[pos] = ("arg", j)
+        for pos in route.size_slots:
+            slots[pos] = ("size", None)
+        return slots
 
     def __call__(self, args: Sequence[Any]) -> Any:
         """The step's output, or :data:`MISS` when the step must go through Dynamo."""
@@ -217,7 +249,26 @@ class CompiledModel:
         else:
             self._marked = False
             unmark_repeated_layers(model)  # marked by an earlier fullcg.compile
-        self._compiled = torch.compile(model, backend=backend, options=options)
+        # Made on the first step that needs Dynamo: torch.compile imports Dynamo (a second or
+        # more), which a warm start (fullcg.warm_start) never needs.
+        self._compile_options = options
+        self._compiled_fn: Any = None
+        self._warm = None
+        if self._direct is not None and backend.config.warm_start:
+            from fullcg.warm_start import WarmStart
+
+            self._warm = WarmStart(model, backend, self._direct)
+
+    @property
+    def _compiled(self) -> Any:
+        """``torch.compile`` of the model with the fullcg backend, made on first use."""
+        if self._compiled_fn is None:
+            self._compiled_fn = torch.compile(self.model, backend=self.backend, options=self._compile_options)
+        return self._compiled_fn
+
+    @_compiled.setter
+    def _compiled(self, fn: Any) -> None:
+        self._compiled_fn = fn
 
     @property
     def config(self) -> FullCGConfig:
@@ -236,6 +287,8 @@ class CompiledModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         direct = self._direct
         if direct is not None and not kwargs:
+            if self._warm is not None and not self._warm.tried:
+                self._warm.load(args)
             out = direct(args)
             if out is not MISS:
                 return out
@@ -248,7 +301,9 @@ class CompiledModel:
             return self._traced(*args, **kwargs)
         with observed_runner_calls() as calls:
             result = self._traced(*args)
-        direct.learn(args, calls, result)
+        route = direct.learn(args, calls, result)
+        if route is not None and self._warm is not None:
+            self._warm.save(args, route.runner, direct.slots_of(route), route.unwrap, route.facts)
         return result
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:

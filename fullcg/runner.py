@@ -334,6 +334,8 @@ class StepRunner:
         self.stager = stager
         self.token_outputs = token_outputs
         self.full_capturable = full_capturable
+        #: (graph, example inputs) it was compiled from, until a warm-start entry is made of them.
+        self.source: tuple[torch.fx.GraphModule, list[Any]] | None = None
         #: The compiled model's step counts (shared by its runners).
         self.counts = counts if counts is not None else model_counts()
         self.sizes = stager.sizes if stager is not None else config.sizes_to_capture

@@ -61,6 +61,7 @@ def _compile_and_run(root: Path, **options) -> dict[str, int]:
     torch._dynamo.reset()
     compile_cache.reset_cache_stats()
     model, reference = _models()
+    options.setdefault("warm_start", False)  # the graphs' entries here; warm-start entries in their own test
     compiled = fullcg.compile(model, compiler="inductor", graph_mode="none", cache_dir=str(root), **options)
     run_steps_against_eager(model, compiled, reference, [([5], [0]), ([1], [5])])
     return dict(compile_cache.cache_stats())
@@ -121,6 +122,20 @@ def test_a_fresh_cache_is_private_directories_0700_and_entries_0600(warm_cache):
 def test_a_copy_of_a_private_cache_is_trusted_and_loaded(cache, loads):
     assert _compile_and_run(cache) == {"hit": 1}
     assert len(loads) == 1
+
+
+def test_a_warm_start_entry_is_checked_like_a_graph_entry(cache, caplog):
+    assert _compile_and_run(cache, warm_start=True) == {"hit": 1, "warm_miss": 1, "warm_store": 1}
+    assert _compile_and_run(cache, warm_start=True) == {"hit": 1, "warm_hit": 1}
+    [entry] = (cache / "warm").iterdir()
+    assert _mode(entry) == 0o600
+    entry.chmod(0o666)
+    with caplog.at_level(logging.WARNING, logger="fullcg"):
+        stats = _compile_and_run(cache, warm_start=True)
+    assert stats == {"hit": 1, "warm_untrusted": 1, "warm_store": 1}, "refused, traced with Dynamo, written anew"
+    [warning] = _warnings(caplog)
+    assert str(entry) in warning and "writable by its group and others" in warning
+    assert _mode(entry) == 0o600, "the refused entry was ours: replaced by a private one"
 
 
 def _world_writable_root(root: Path) -> Path:
