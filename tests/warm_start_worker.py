@@ -2,7 +2,8 @@
 decode steps against eager, and print as one JSON line what the compile cache did and how
 many frames Dynamo traced.
 
-Run as ``python tests/warm_start_worker.py <model dir>`` with ``FULLCG_CACHE_DIR`` set;
+Run as ``python tests/warm_start_worker.py <model dir> [layers] [device]`` with
+``FULLCG_CACHE_DIR`` set (on ``cuda``, steps run in CUDA graphs, ``full_and_piecewise``);
 ``<model dir>/warm_model.py`` defines ``Model``, a ``LlamaModel`` whose forward calls
 ``warm_helper.py`` beside it (the tests edit these files).
 """
@@ -29,11 +30,14 @@ def main() -> None:
     sys.path.insert(0, sys.argv[1])
     model_class = importlib.import_module("warm_model").Model
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    model = model_class(LlamaConfig.tiny(num_layers=layers), seed=0)
+    device = torch.device(sys.argv[3] if len(sys.argv) > 3 else "cpu")
+    model = model_class(LlamaConfig.tiny(num_layers=layers), seed=0).to(device)
     model.allocate_kv_cache(num_pages=16, page_size=4)
     eager = copy.deepcopy(model)
-    compiled = fullcg.compile(model, graph_mode="none", compiler="inductor")
-    s_eager, s_comp = (Scheduler([[1, 2, 3, 4, 5], [6, 7]], 3, num_pages=16, page_size=4) for _ in range(2))
+    compiled = fullcg.compile(model, graph_mode="none" if device.type == "cpu" else "full_and_piecewise",
+                              compiler="inductor", capture_sizes=[1, 2, 4, 8])
+    s_eager, s_comp = (Scheduler([[1, 2, 3, 4, 5], [6, 7]], 3, num_pages=16, page_size=4, device=device)
+                       for _ in range(2))
     worst = 0.0
     with torch.inference_mode():
         while (step := s_eager.next_step()) is not None:
