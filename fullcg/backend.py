@@ -351,15 +351,17 @@ def _graph_after_passes(gm: torch.fx.GraphModule, manager: PassManager) -> torch
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig,
-                  counts: StepCounts | None = None, *, regions: tuple[int, int] | None = None) -> StepRunner:
+                  counts: StepCounts | None = None, *, regions: tuple[int, int] | None = None,
+                  keep_source: bool = False) -> StepRunner:
     """Compile ``gm`` as pieces and return a runner over the variants ``config.graph_mode`` needs,
     counting its steps in ``counts`` (the compiled model's; default: counts of its own).
     ``regions``: (layer calls, distinct regions) of a graph whose regions were inlined
     already (a warm start's); by default they are counted, checked and inlined here.
 
     fullcg compiles inference steps: pieces are compiled and run without autograd. With
-    ``config.warm_start``, the runner's ``source`` holds the graph it was compiled from and
-    its example inputs until a warm-start entry is written from them (:mod:`fullcg.warm_start`).
+    ``keep_source`` (a model that keeps warm-start entries, with the compile cache on), the
+    runner's ``source`` holds the graph it was compiled from and its example inputs until
+    the entry is written from them (:mod:`fullcg.warm_start`).
     """
     if torch.is_grad_enabled():
         log_once(
@@ -377,7 +379,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     resolve_layer_keys(gm, example_inputs)
     runner = _cached_compile(gm, example_inputs, config, counts, regions)
     runner.regions = regions
-    if config.warm_start and compile_cache.cache_for(config) is not None:
+    if keep_source and config.warm_start and compile_cache.cache_for(config) is not None:
         runner.source = (gm, list(example_inputs))
     return runner
 
@@ -501,6 +503,9 @@ class Backend:
         self.runners: list[StepRunner] = []
         #: Steps of every graph compiled through this backend, by how they ran.
         self.counts = model_counts()
+        #: Whether runners keep the graph they were compiled from for a warm-start entry
+        #: (set by ``fullcg.compile``, whose direct dispatch writes the entries).
+        self.keep_sources = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> StepRunner:
         try:
@@ -525,7 +530,7 @@ class Backend:
                 "compiler='none' runs the model without torch.compile, so the fullcg compile backend cannot take it: "
                 "use fullcg.compile(model, compiler=\"none\") instead of torch.compile(model, backend=...)"
             )
-        runner = compile_graph(gm, example_inputs, config, self.counts)
+        runner = compile_graph(gm, example_inputs, config, self.counts, keep_source=self.keep_sources)
         self.runners.append(runner)
         return runner
 

@@ -331,6 +331,11 @@ class CompileCache:
                                       replaceable, prefix)
         return payload, False
 
+    def replaceable(self, key: str, kind: str = GRAPHS) -> bool:
+        """Whether fullcg may write entry ``key`` of ``kind`` over the one in its place: when
+        that one is ours, or the cache is shared on purpose."""
+        return self._replaceable(self.entry_path(key, kind))
+
     def _replaceable(self, path: Path) -> bool:
         """Whether fullcg may delete or overwrite the entry at ``path``: when it is ours, or
         when the cache is shared on purpose."""

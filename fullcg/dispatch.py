@@ -55,6 +55,15 @@ logger = logging.getLogger(__name__)
 MISS = object()
 
 _TRAILING_ITEMS = re.compile(r"(\[[^\[\]]*\])+$")
+#: Guards that pin a value (rather than a type, an identity or a tensor's metadata).
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
+
+
+def _plain(value: object) -> bool:
+    """A value that pickles as itself and compares by value in another process."""
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return True
+    return isinstance(value, tuple) and all(_plain(v) for v in value)
 
 
 @dataclasses.dataclass
@@ -81,25 +90,33 @@ class DirectDispatch:
         self._by_key: dict[tuple[int, tuple[object, ...]], _Route | None] = {}
         self._signature: tuple[tuple[torch.dtype, torch.device, tuple[int, ...]], ...] | None = None
         self._kv_caches: Mapping[int, Any] | None = None
+        #: id(runner) -> the values its guards pinned, as (source, value) (see :meth:`note_guards`).
+        self.value_guards: dict[int, tuple[tuple[str, object], ...]] = {}
 
     def note_guards(self, entries: Sequence[Any]) -> list[bool]:
         """Dynamo's ``guard_filter_fn``: keeps every guard, and notes which static facts the
-        graph just compiled (the backend's newest runner) reads."""
+        graph just compiled (the backend's newest runner) reads, and the plain values its
+        guards pin (a config's number, a module constant; :mod:`fullcg.warm_start` checks
+        them in the next process)."""
         read: set[int] | None = set()
+        values: dict[str, object] = {}
         for entry in entries:
             # An item of a fact (``_state.layer_factors[0][1]``) is a read of the fact.
             owner, _, attr = _TRAILING_ITEMS.sub("", entry.name).rpartition(".")
             if owner.endswith("._state") or owner == "_state":
                 if attr in context.STATIC_FACTS:
                     read.add(context.STATIC_FACTS.index(attr))
-                else:
-                    read = None  # traced code read thread state this dispatcher does not know
-                    break
+                    continue
+                read = None  # traced code read thread state this dispatcher does not know
+                break
+            if entry.guard_type in _VALUE_GUARDS and getattr(entry, "has_value", False) and _plain(entry.value):
+                values[entry.name] = entry.value
         # Dynamo hands over each frame's guards right after compiling it; a frame that made
         # no runner (no graph) has nothing to note.
         if len(self._runners) > self._noted:
             self._noted = len(self._runners)
             self._facts_read[id(self._runners[-1])] = None if read is None else tuple(sorted(read))
+            self.value_guards[id(self._runners[-1])] = tuple(values.items())
         return [True] * len(entries)
 
     def learn(self, args: Sequence[Any], calls: Sequence[tuple[StepRunner, tuple[Any, ...], Any]],
@@ -258,6 +275,7 @@ class CompiledModel:
             from fullcg.warm_start import WarmStart
 
             self._warm = WarmStart(model, backend, self._direct)
+            backend.keep_sources = True  # each runner keeps its graph until the warm entry has it
 
     @property
     def _compiled(self) -> Any:
@@ -303,7 +321,8 @@ class CompiledModel:
             result = self._traced(*args)
         route = direct.learn(args, calls, result)
         if route is not None and self._warm is not None:
-            self._warm.save(args, route.runner, direct.slots_of(route), route.unwrap, route.facts)
+            self._warm.save(args, route.runner, direct.slots_of(route), route.unwrap, route.facts,
+                            direct.value_guards.get(id(route.runner), ()))
         return result
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:

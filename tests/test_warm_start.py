@@ -30,8 +30,13 @@ class Model(LlamaModel):
     def forward(self, input_ids, positions):
         return warm_helper.finish(super().forward(input_ids, positions))  # {note}
 '''
-HELPER_SOURCE = '''def finish(logits):
-    return logits + 0.0  # {note}
+HELPER_SOURCE = '''import warm_const
+
+
+def finish(logits):
+    return logits * warm_const.SCALE  # {note}
+'''
+CONST_SOURCE = '''SCALE = {scale}
 '''
 
 
@@ -56,10 +61,12 @@ def _run(cache_dir: Path, model_dir: Path, layers: int = 2, device: str = "cpu")
     return result
 
 
-def _model_dir(path: Path, note: str = "as written", helper_note: str = "as written") -> Path:
+def _model_dir(path: Path, note: str = "as written", helper_note: str = "as written", scale: float = 1.0) -> Path:
+    """A model whose forward calls a helper in another file, which reads a constant from a third."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "warm_model.py").write_text(MODEL_SOURCE.format(note=note))
     (path / "warm_helper.py").write_text(HELPER_SOURCE.format(note=helper_note))
+    (path / "warm_const.py").write_text(CONST_SOURCE.format(scale=scale))
     return path
 
 
@@ -104,18 +111,25 @@ def test_a_second_process_steps_without_dynamo_tracing(cache, model_dir):
     assert "warning" not in result["stderr"].lower()
 
 
-def test_the_model_class_elsewhere_or_changed_is_another_key(cache, tmp_path):
-    result = _run(cache, _model_dir(tmp_path / "model", note="edited since the trace"))
+def test_the_model_class_elsewhere_is_another_key(cache, tmp_path):
+    result = _run(cache, _model_dir(tmp_path / "model"))
     assert result["fullcg"]["warm_miss"] == 1 and result["dynamo_frames"] >= 1
 
 
-def test_a_changed_file_the_trace_read_makes_the_entry_stale_and_it_is_kept_anew(tmp_path):
+@pytest.mark.parametrize("change", ["the model's class", "a helper it calls", "a constant the helper reads"])
+def test_a_change_the_trace_depends_on_is_never_served_from_the_entry(tmp_path, change):
     model_dir, cache = _model_dir(tmp_path / "model"), tmp_path / "cache"
     assert _run(cache, model_dir)["fullcg"]["warm_store"] == 1
-    _model_dir(model_dir, helper_note="edited since the trace")
-    stale = _run(cache, model_dir)
-    assert stale["fullcg"]["warm_stale"] == 1 and stale["dynamo_frames"] >= 1
-    assert stale["fullcg"]["warm_store"] == 1, "the entry is written again from the new trace"
+    if change == "the model's class":
+        _model_dir(model_dir, note="edited since the trace")
+    elif change == "a helper it calls":
+        _model_dir(model_dir, helper_note="edited since the trace")
+    else:
+        _model_dir(model_dir, scale=2.0)  # the logits double: served from the entry, they would not
+    changed = _run(cache, model_dir)  # asserts the steps equal eager ones
+    outcome = "warm_miss" if change == "the model's class" else "warm_stale"
+    assert changed["fullcg"][outcome] == 1 and changed["dynamo_frames"] >= 1, changed["fullcg"]
+    assert changed["fullcg"]["warm_store"] == 1, "the entry is written again from the new trace"
     again = _run(cache, model_dir)
     assert again["fullcg"]["warm_hit"] == 1 and again["dynamo_frames"] == 0
 
@@ -200,3 +214,52 @@ def test_with_warm_start_off_no_entry_is_written(tmp_path, monkeypatch, caplog):
         compiled(torch.arange(5), torch.arange(5))
     assert (tmp_path / "graphs").is_dir() and not (tmp_path / "warm").exists()
     assert all(r.source is None for r in compiled.runners), "nothing is kept for an entry"
+
+
+def _cache_on(monkeypatch) -> None:
+    for name in ("FULLCG_DISABLE_COMPILE_CACHE", "TORCHINDUCTOR_CACHE_DIR", "FULLCG_CACHE_KEY",
+                 "FULLCG_TRUST_SHARED_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _one_step(model, compiled) -> None:
+    md = fullcg.AttentionMetadata.build([5], [0], torch.arange(16, dtype=torch.int32)[None], 4)
+    with torch.inference_mode(), fullcg.forward_context(md, model):
+        compiled(torch.arange(5), torch.arange(5))
+
+
+def test_an_entry_holds_the_graph_not_the_weights(tmp_path, monkeypatch):
+    _cache_on(monkeypatch)
+    torch._dynamo.reset()
+    model = _tiny(vocab_size=32768)  # embedding and head: 16 MiB of fp32 weights
+    model.allocate_kv_cache(16, 4)
+    _one_step(model, fullcg.compile(model, graph_mode="none", cache_dir=str(tmp_path)))
+    [entry] = (tmp_path / "warm").iterdir()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert entry.stat().st_size < weights / 20, (entry.stat().st_size, weights)
+
+
+def test_runners_keep_their_graph_only_for_a_warm_entry(tmp_path, monkeypatch):
+    """Plain torch.compile with the backend writes no warm entry, and neither does a model
+    whose steps all go through Dynamo (debug_checks): their runners must not hold the graph."""
+    _cache_on(monkeypatch)
+    for through in ("torch.compile", "debug_checks"):
+        torch._dynamo.reset()
+        model = _tiny()
+        model.allocate_kv_cache(16, 4)
+        config = fullcg.FullCGConfig(graph_mode="none", cache_dir=str(tmp_path), debug_checks=through == "debug_checks")
+        backend = fullcg.Backend(config)
+        if through == "torch.compile":
+            _one_step(model, torch.compile(model, backend=backend))
+        else:
+            compiled = fullcg.compile(model, config)
+            _one_step(model, compiled)
+            backend = compiled.backend
+        assert backend.runners and all(r.source is None for r in backend.runners), through
+    assert not (tmp_path / "warm").exists(), "neither keeps warm entries"
+
+
+def test_tied_weights_are_part_of_the_fingerprint():
+    a, b = _tiny(), _tiny()
+    b.lm_head.weight = b.embed_tokens.weight
+    assert model_fingerprint(a) != model_fingerprint(b)
