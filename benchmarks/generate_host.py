@@ -1,7 +1,7 @@
 """Where a batch-1 ``fullcg.generate`` step's host time goes, next to the step's GPU time.
 
     python benchmarks/generate_host.py --compiler inductor [--attention-impl triton] [--new 96]
-    python benchmarks/generate_host.py --compiler none
+    python benchmarks/generate_host.py --compiler none [--no-fused-ops]
 
 One Llama-3-8B-shaped ``LlamaForCausalLM`` (random bf16 weights, ``benchmarks/generate.py``'s
 model) prepared with fullcg, one 512-token prompt. Prints, after a warm-up run that
@@ -44,13 +44,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=96, help="tokens generated per timed run")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--no-profile", action="store_true", help="only the timings")
+    ap.add_argument("--no-fused-ops", action="store_true",
+                    help="prepare without fused_ops: transformers' own norm and activation kernels on eager steps")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("generate_host.py times CUDA graph replays: it needs a GPU")
 
     dev = torch.device("cuda")
     model = G.build_model(False, dev, torch.bfloat16, 0)
-    fhf.prepare(model, num_pages=2048, page_size=G.PAGE_SIZE)
+    fhf.prepare(model, num_pages=2048, page_size=G.PAGE_SIZE, fused_ops=not args.no_fused_ops)
     config = fullcg.FullCGConfig.from_env(attention_impl=args.attention_impl, compiler=args.compiler)
     prompts = [list(range(1, args.prompt_len + 1))]
 

@@ -330,6 +330,13 @@ class CompiledModel:
         (:mod:`fullcg.regions`), a trace that fails (Dynamo could not hold a layer in a
         region, or mapped a stamped-out layer onto another layer's tensors) is traced again
         with the layers unmarked, each on its own; an error that remains then is raised."""
+        # Floats stay constants: after the same code ran with another value (a softmax scale
+        # of a second model in the process), Dynamo would trace them as symbolic graph inputs,
+        # which fullcg's ops (a constant scale) and pieces do not take.
+        with torch._dynamo.config.patch(specialize_float=True):
+            return self._traced_as_regions(*args, **kwargs)
+
+    def _traced_as_regions(self, *args: Any, **kwargs: Any) -> Any:
         if not self._marked:
             return self._compiled(*args, **kwargs)
         from torch._dynamo.exc import InternalTorchDynamoError, Unsupported

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -272,3 +273,16 @@ def test_an_eager_packed_step_at_the_wrong_position_is_refused():
         with pytest.raises(fullcg.errors.InvalidBatchError, match="at position 0 but the metadata puts it at 3"):
             step_module(torch.tensor([1, 2]), torch.tensor([0, 1]))
         step_module(torch.tensor([1, 2]), torch.tensor([3, 4]))
+
+
+def test_a_second_model_with_another_softmax_scale_compiles_in_the_same_process():
+    # Dynamo traces a float it saw change (the attention code's `scaling`) as a symbolic
+    # input; fullcg keeps floats constant, so each model's graph has its own scale.
+    torch._dynamo.reset()
+    for head_dim in (16, 8):
+        ref = build("llama", head_dim=head_dim)
+        model = copy.deepcopy(ref)
+        step_module = fhf.prepare(model, num_pages=64, page_size=4)
+        compiled = fullcg.compile(step_module, graph_mode="piecewise", compiler="eager", compile_cache=False)
+        worst, _ = run_steps(ref, step_module, compiled)
+        assert worst < TOLERANCE

@@ -9,6 +9,10 @@ group. Memory is unchanged: the original weights are copied into the fused one a
 The model's ``state_dict`` keeps the original keys (``q_proj.weight``, ...: row views of
 the fused weight), and loading one with those keys fills the fused weight, so checkpoints
 saved from a prepared model load into an unprepared one and back.
+
+Run eagerly (no compiler traces the step), the siblings share one matmul too: the first
+sibling computes the whole group's product and each later one, called on the same input
+tensor, returns its rows of it (:class:`SiblingProduct`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SliceLinear", "fuse_sibling_projections", "SIBLING_GROUPS"]
+from fullcg.ops import fused as fused_ops
+
+__all__ = ["SliceLinear", "SiblingProduct", "fuse_sibling_projections", "SIBLING_GROUPS"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,22 +39,78 @@ SIBLING_GROUPS: dict[tuple[str, ...], str] = {("q_proj", "k_proj", "v_proj"): "q
                                               ("gate_proj", "up_proj"): "gate_up_proj"}
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), None for an inference tensor (which has none)."""
+    return None if t.is_inference() else t._version
+
+
+class SiblingProduct:
+    """One matmul for a group of sibling projections run eagerly.
+
+    Siblings are called in order on the same input (``q_proj(x)``, ``k_proj(x)``,
+    ``v_proj(x)``). The first computes ``x @ fused.weight.T`` for the whole group; a later
+    sibling takes its columns of that product (a view: rows strided by the group's width)
+    when its input is the same tensor, unchanged since (version counters, where the tensors
+    have them), and it comes after the last sibling served; anything else computes afresh.
+    The product is dropped once the last sibling has taken its columns.
+    """
+
+    def __init__(self, fused: nn.Linear, bounds: Sequence[tuple[int, int]]) -> None:
+        self.fused = fused
+        self.bounds = tuple(bounds)
+        self._clear()
+
+    def _clear(self) -> None:
+        self._x: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._versions: tuple[int | None, int | None] = (None, None)
+        self._last = -1
+
+    def columns(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Sibling ``index``'s projection of ``x``."""
+        weight = self.fused.weight
+        versions = (_version(x), _version(weight))
+        if index == 0 or x is not self._x or index <= self._last or versions != self._versions:
+            self._out = F.linear(x, weight, self.fused.bias)
+            self._x, self._versions = x, versions
+        start, stop = self.bounds[index]
+        out = self._out[..., start:stop]
+        self._last = index
+        if index == len(self.bounds) - 1:
+            self._clear()
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:  # the product of a step in flight is not the model's state
+        return {"fused": self.fused, "bounds": self.bounds}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.fused, self.bounds = state["fused"], state["bounds"]
+        self._clear()
+
+
 class SliceLinear(nn.Module):
     """Rows ``[start, stop)`` of ``fused`` as a linear layer of its own.
 
     ``weight`` and ``bias`` are views of the fused parameters; ``in_features`` and
     ``out_features`` are those of the projection it stands for. The fused linear is a child
     of the module that holds the siblings, not of each slice, so its parameters are listed
-    (and saved) once.
+    (and saved) once. With ``product`` (the group's :class:`SiblingProduct`) and ``index``
+    (this slice's place in it), an eager call shares the group's matmul.
     """
 
-    def __init__(self, fused: nn.Linear, start: int, stop: int) -> None:
+    def __init__(self, fused: nn.Linear, start: int, stop: int, product: SiblingProduct | None = None,
+                 index: int = 0) -> None:
         super().__init__()
         if not 0 <= start < stop <= fused.out_features:
             raise ValueError(f"rows [{start}, {stop}) do not lie in a linear of {fused.out_features} outputs")
+        if product is not None and product.bounds[index] != (start, stop):
+            raise ValueError(f"sibling {index} of the shared product has rows {product.bounds[index]}, not "
+                             f"[{start}, {stop})")
         object.__setattr__(self, "fused", fused)  # not registered: see the class doc
+        object.__setattr__(self, "product", product)
         self.start = start
         self.stop = stop
+        self.index = index
         self.in_features = fused.in_features
         self.out_features = stop - start
 
@@ -62,6 +124,9 @@ class SliceLinear(nn.Module):
         return None if b is None else b[self.start : self.stop]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The product is read only on eager steps: a traced step reads nothing Dynamo would guard on.
+        if fused_ops.eager_step(x, self.fused.weight) and self.product is not None:
+            return self.product.columns(x, self.index)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -138,10 +203,13 @@ def _fuse(parent: nn.Module, names: Sequence[str], fused_name: str, shared: set[
             fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]),
                                       requires_grad=linears[0].bias.requires_grad)
     parent.register_module(fused_name, fused)
-    start = 0
-    for name, m in zip(names, linears):
-        setattr(parent, name, SliceLinear(fused, start, start + m.out_features))
+    bounds, start = [], 0
+    for m in linears:
+        bounds.append((start, start + m.out_features))
         start += m.out_features
+    product = SiblingProduct(fused, bounds)
+    for index, (name, (first, stop)) in enumerate(zip(names, bounds)):
+        setattr(parent, name, SliceLinear(fused, first, stop, product, index))
     # Module-level functions behind partials: the hooks pickle with the model.
     sizes = tuple(m.out_features for m in linears)
     parent.register_state_dict_post_hook(functools.partial(_split_state, tuple(names), fused_name, sizes))

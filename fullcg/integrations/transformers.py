@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 import fullcg
+from fullcg.integrations.eager_kernels import use_fused_ops
 from fullcg.integrations.fused_linear import fuse_sibling_projections
 
 try:
@@ -497,6 +498,7 @@ def prepare(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     fuse_projections: bool = True,
+    fused_ops: bool = True,
 ) -> PackedCausalLM:
     """Make a transformers causal LM run its attention through fullcg, with a paged KV cache.
 
@@ -513,14 +515,22 @@ def prepare(
     so a compiled step runs one matmul per group: the same values, fewer and fuller kernels.
     The model's ``state_dict`` keeps the separate keys (``q_proj.weight``, ...), so what it
     saves loads into the model as transformers builds it, and such a checkpoint loads into it.
+    Run eagerly, the siblings share one matmul as well.
+
+    With ``fused_ops`` (the default), RMSNorm modules and SwiGLU MLPs whose forward fullcg
+    recognises (checked on a probe input) run one fused kernel each for the norm and for
+    ``silu(gate) * up`` when a step runs eagerly or is captured without a compiler
+    (:func:`fullcg.integrations.eager_kernels.use_fused_ops`); ``torch.compile`` still traces
+    their own forward.
 
     Returns a :class:`PackedCausalLM` over ``model`` (``input_ids [T], positions [T] ->
     logits [T, vocab]``): the module to compile, run steps with, or pass to
     :func:`fullcg.generate`.
     """
     plan = _plan(model)
-    if not isinstance(fuse_projections, bool):
-        raise TypeError(f"fuse_projections must be True or False, got {fuse_projections!r}")
+    for name, flag in (("fuse_projections", fuse_projections), ("fused_ops", fused_ops)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     register()
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         logger.info("switching %s from attn_implementation=%r to %r", type(model).__name__,
@@ -539,6 +549,10 @@ def prepare(
         setattr(module, _CHILD, attn)  # a child module: forward_context(metadata, model) finds the cache
     if fuse_projections:  # last: a prepare that fails leaves the model's layout as it was
         fuse_sibling_projections(model)
+    if fused_ops:
+        switched = use_fused_ops(model)
+        logger.info("fullcg: %d norm and MLP modules of %s run fused kernels on eager steps", switched,
+                    type(model).__name__)
     logger.info("fullcg: prepared %d attention layers of %s (%d pages of %d tokens each)",
                 len(plan), type(model).__name__, num_pages, page_size)
     return PackedCausalLM(model)

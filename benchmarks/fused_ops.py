@@ -1,0 +1,104 @@
+"""One decoder layer's element-wise work run eagerly: transformers' modules against fullcg's fused ops.
+
+    python benchmarks/fused_ops.py [--tokens 1 64 2048] [--out results/fused_ops_h200.json]
+
+For a Llama-3-8B-shaped layer (hidden 4096, MLP 14336, 32/8 heads of 128, bf16) and each
+token count, it times, as a model captured without a compiler runs them:
+
+- ``rms_norm``: transformers' ``LlamaRMSNorm`` forward against ``fullcg::rms_norm``;
+- ``mlp``: ``LlamaMLP`` (gate, up, SiLU, multiply, down) against the prepared module
+  (gate and up as one matmul, ``fullcg::silu_mul``, down);
+- ``qkv``: the three projections as three matmuls against one shared matmul.
+
+Each figure is GPU microseconds per call, the median of ``--repeats`` replays of a CUDA
+graph of back-to-back calls (so host launch cost is not counted), both sides in one
+process. The JSON holds a row per (part, tokens) with ``hf_us``, ``fused_us`` and their
+ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+
+import torch
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+
+
+def time_us(fn, target_ms: float = 2.0, repeats: int = 7) -> float:
+    """Median GPU microseconds per call over replays of one CUDA graph of back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    calls = max(1, min(200, int(target_ms / max(start.elapsed_time(end), 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 2048])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("fused_ops.py times CUDA kernels: it needs a GPU")
+    import transformers
+
+    from fullcg.integrations.eager_kernels import use_fused_ops
+    from fullcg.integrations.fused_linear import fuse_sibling_projections
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    config = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_hidden_layers=1)
+    with torch.device(dev):
+        layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0).to(dtype).eval()
+    fused = copy.deepcopy(layer)
+    fuse_sibling_projections(fused)
+    use_fused_ops(fused)
+    rows = []
+    name = torch.cuda.get_device_name()
+    with torch.inference_mode():
+        for tokens in args.tokens:
+            x = torch.randn(1, tokens, HIDDEN, device=dev, dtype=dtype)
+            attn, fattn = layer.self_attn, fused.self_attn
+            parts = {
+                "rms_norm": (lambda: layer.input_layernorm(x), lambda: fused.input_layernorm(x)),
+                "mlp": (lambda: layer.mlp(x), lambda: fused.mlp(x)),
+                "qkv": (lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
+                        lambda: (fattn.q_proj(x), fattn.k_proj(x), fattn.v_proj(x))),
+            }
+            for part, (hf, ours) in parts.items():
+                hf_us = time_us(hf, repeats=args.repeats)
+                fused_us = time_us(ours, repeats=args.repeats)
+                rows.append({"part": part, "tokens": tokens, "hf_us": round(hf_us, 2), "fused_us": round(fused_us, 2),
+                             "fused_over_hf": round(fused_us / hf_us, 3)})
+                print(f"{part:9s} tokens {tokens:5d}: transformers {hf_us:8.2f} us, fused {fused_us:8.2f} us "
+                      f"({fused_us / hf_us:.2f}x)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": name, "torch": torch.__version__, "hidden": HIDDEN, "intermediate": INTERMEDIATE,
+                       "dtype": "bfloat16", "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+"""Fused element-wise ops for eager steps: ``fullcg::rms_norm`` and ``fullcg::silu_mul``, the
+transformers modules that take them (:mod:`fullcg.integrations.eager_kernels`), and sibling
+projections sharing one matmul when run eagerly.
+
+The Triton kernels run on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set by
+conftest before triton is imported); ``FULLCG_FUSED_TRITON_ON_CPU=1`` makes the ops take them
+there, as they do on CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fullcg
+from fullcg.integrations.eager_kernels import RMS_NORM_FORMS, use_fused_ops
+from fullcg.integrations.fused_linear import SiblingProduct, fuse_sibling_projections
+from fullcg.ops import fused
+from fullcg.regions import regions_supported
+
+triton = pytest.importorskip("triton", reason="the fused kernels are Triton kernels: pip install triton")
+from fullcg.ops.kernels.fused import rms_norm_rows, silu_mul_rows  # noqa: E402
+
+hf_models = pytest.importorskip("hf_models", reason="needs transformers: pip install -e '.[test]'")
+transformers = hf_models.transformers
+
+_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    monkeypatch.setenv("FULLCG_FUSED_TRITON_ON_CPU", "1")
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops a forward dispatches, by packet name (``aten.mm``, ``fullcg.rms_norm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+# --- the kernels -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", RMS_NORM_FORMS)
+@pytest.mark.parametrize("cols", [64, 80])
+def test_rms_norm_kernel_equals_the_reference_in_every_form_over_strided_rows(dtype, form, cols):
+    g = torch.Generator().manual_seed(cols)
+    wide = (3 * torch.randn(5, cols + 16, generator=g)).to(dtype)
+    x = wide[:, 8 : 8 + cols]  # rows strided by cols + 16
+    weight = torch.randn(cols, generator=g).to(dtype)
+    want = fused.reference_rms_norm(x, weight, 1e-6, *form)
+    out = torch.empty_like(want)
+    rms_norm_rows(x, weight, out, 1e-6, *form)
+    torch.testing.assert_close(out, want, rtol=_TOL[dtype], atol=_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [48, 2500])  # 2500: more than one block of columns per row
+def test_silu_mul_kernel_equals_silu_times_up_on_halves_of_one_product(dtype, cols):
+    g = torch.Generator().manual_seed(cols)
+    gate_up = (2 * torch.randn(3, 2 * cols, generator=g)).to(dtype)
+    gate, up = gate_up[:, :cols], gate_up[:, cols:]
+    out = torch.empty(3, cols, dtype=dtype)
+    silu_mul_rows(gate, up, out)
+    torch.testing.assert_close(out, fused.reference_silu_mul(gate, up), rtol=_TOL[dtype], atol=_TOL[dtype])
+
+
+# --- the ops ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_fused_ops_pass_opcheck(use_triton, monkeypatch):
+    if use_triton:
+        monkeypatch.setenv("FULLCG_FUSED_TRITON_ON_CPU", "1")
+    x = torch.randn(2, 3, 32)
+    torch.library.opcheck(fused.rms_norm, (x, torch.randn(32), 1e-5, 1.0, False))
+    torch.library.opcheck(fused.rms_norm, (x.bfloat16(), torch.randn(32), 1e-5))  # out: float32 (promoted)
+    gate_up = torch.randn(4, 64)
+    torch.library.opcheck(fused.silu_mul, (gate_up[:, :32], gate_up[:, 32:]))
+
+
+def test_rms_norm_op_returns_the_promoted_dtype_in_llamas_order_and_the_inputs_in_gemmas(triton_on_cpu):
+    x = torch.randn(4, 16).bfloat16()
+    assert fused.rms_norm(x, torch.randn(16), 1e-6, 0.0, True).dtype == torch.float32
+    assert fused.rms_norm(x, torch.randn(16), 1e-6, 1.0, False).dtype == torch.bfloat16
+    assert fused.rms_norm(x, torch.randn(16).bfloat16(), 1e-6).dtype == torch.bfloat16
+
+
+def test_fused_ops_refuse_mismatched_inputs_naming_the_fix():
+    with pytest.raises(ValueError, match=r"needs shape \(16,\)"):
+        fused.rms_norm(torch.randn(2, 16), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        fused.silu_mul(torch.randn(2, 16), torch.randn(2, 8))
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        fused.silu_mul(torch.randn(2, 16), torch.randn(2, 16).double())
+
+
+def test_eager_step_is_false_while_torch_compile_traces_and_where_autograd_records():
+    w = nn.Parameter(torch.randn(4))
+    assert not fused.eager_step(torch.randn(4), w)  # grad enabled and w needs it
+    with torch.no_grad():
+        assert fused.eager_step(torch.randn(4), w)
+    with torch.inference_mode():
+        assert fused.eager_step(torch.randn(4), w)
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(x):
+        seen.append(fused.eager_step(x))
+        return x + 1
+
+    with torch.no_grad():
+        traced(torch.randn(3))
+    assert seen == [False]
+
+
+# --- transformers modules --------------------------------------------------------------------
+
+
+def _forms(model):
+    return {n: getattr(m, "fullcg_rms_norm_form", None) for n, m in model.named_modules()
+            if n.endswith("norm") or n.endswith("layernorm")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_llama_style_norms_and_mlps_are_switched_to_the_fused_ops(arch):
+    model = hf_models.build(arch)
+    layers = model.config.num_hidden_layers
+    norms_per_layer = 4 if arch == "qwen3" else 2  # Qwen3 adds q_norm and k_norm
+    assert use_fused_ops(model) == layers * norms_per_layer + 1 + layers
+    assert set(_forms(model).values()) == {(0.0, True, "variance_epsilon")}
+    assert all(getattr(layer.mlp, "fullcg_fused_mlp", False) for layer in model.model.layers)
+    assert use_fused_ops(model) == 0  # switched once
+
+
+def test_gemma_norms_take_the_weight_plus_one_float32_form():
+    config = transformers.GemmaConfig(**hf_models._COMMON, head_dim=16)
+    model = hf_models.randomize(transformers.GemmaForCausalLM(config), 0).eval()
+    use_fused_ops(model)
+    assert set(_forms(model).values()) == {(1.0, False, "eps")}
+
+
+class _MeanCenteredRMSNorm(nn.Module):  # a LayerNorm that calls itself an RMSNorm
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class _GeluMLP(nn.Module):
+    def __init__(self, dim, act=nn.functional.gelu, swap=False):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, 2 * dim), nn.Linear(dim, 2 * dim)
+        self.down_proj = nn.Linear(2 * dim, dim)
+        self.act, self.swap = act, swap
+
+    def forward(self, x):
+        g, u = (self.up_proj(x), self.gate_proj(x)) if self.swap else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act(g) * u)
+
+
+def test_modules_the_fused_ops_would_compute_otherwise_keep_their_forward():
+    norm = _MeanCenteredRMSNorm(16)
+    gelu = _GeluMLP(16)
+    swapped = _GeluMLP(16, act=nn.functional.silu, swap=True)
+    hooked = _GeluMLP(16, act=nn.functional.silu)
+    hooked.register_forward_hook(lambda *a: None)
+    plain = _GeluMLP(16, act=nn.functional.silu)
+    assert use_fused_ops(nn.ModuleList([norm, gelu, swapped, hooked, plain])) == 1
+    assert all("forward" not in vars(m) for m in (norm, gelu, swapped, hooked))
+    assert "forward" in vars(plain)
+
+
+def _first_step():
+    from fullcg.engine import BatchScheduler
+
+    return BatchScheduler([[3, 17, 29, 41, 53], [7, 19]], 2, num_pages=16, page_size=4).next_step()
+
+
+def _count_step(step_module, step):
+    counter = _OpCounter()
+    with torch.inference_mode(), fullcg.forward_context(step.metadata, step_module), counter:
+        step_module(step.input_ids, step.positions)
+    return counter.counts
+
+
+def test_a_prepared_models_eager_step_runs_one_kernel_per_norm_activation_and_projection_group():
+    _, model, step_module = hf_models.build_pair("llama")
+    layers = model.config.num_hidden_layers
+    counts = _count_step(step_module, _first_step())
+    assert counts.get("fullcg.rms_norm") == 2 * layers + 1
+    assert counts.get("fullcg.silu_mul") == layers
+    assert "aten.rsqrt" not in counts and "aten.silu" not in counts
+    # q/k/v as one matmul, gate/up as one, o_proj, down_proj, and the lm_head
+    assert sum(counts.get(f"aten.{mm}", 0) for mm in ("linear", "mm", "addmm")) == 4 * layers + 1
+
+
+# --- sibling projections run eagerly -----------------------------------------------------------
+
+
+def _siblings(bias=False):
+    module = nn.Module()
+    module.q_proj, module.k_proj, module.v_proj = nn.Linear(8, 8, bias), nn.Linear(8, 4, bias), nn.Linear(8, 4, bias)
+    want = copy.deepcopy(module)
+    assert fuse_sibling_projections(module, {("q_proj", "k_proj", "v_proj"): "qkv_proj"}) == 1
+    return module, want
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_eager_siblings_share_one_matmul_and_equal_their_own_linears(bias):
+    module, want = _siblings(bias)
+    x = torch.randn(3, 8)
+    counter = _OpCounter()
+    with torch.no_grad(), counter:
+        got = [module.q_proj(x), module.k_proj(x), module.v_proj(x)]
+    assert sum(counter.counts.get(f"aten.{mm}", 0) for mm in ("linear", "mm", "addmm")) == 1
+    with torch.no_grad():
+        for out, ref in zip(got, [want.q_proj(x), want.k_proj(x), want.v_proj(x)]):
+            torch.testing.assert_close(out, ref)
+            assert out.view(3, 2, -1).shape[-1] == out.shape[-1] // 2  # heads split as attention does
+
+
+def _matmuls(fn):
+    counter = _OpCounter()
+    with counter:
+        fn()
+    return sum(counter.counts.get(f"aten.{mm}", 0) for mm in ("linear", "mm", "addmm"))
+
+
+def test_a_sibling_computes_afresh_for_another_input_out_of_order_or_after_an_in_place_write():
+    module, want = _siblings()
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    with torch.no_grad():
+        module.q_proj(x)
+        assert _matmuls(lambda: module.k_proj(y)) == 1  # another tensor
+        torch.testing.assert_close(module.k_proj(y), want.k_proj(y))
+        module.q_proj(x)
+        module.v_proj(x)
+        assert _matmuls(lambda: module.k_proj(x)) == 1  # after v: out of order
+        module.q_proj(x)
+        x.add_(1.0)
+        got = []
+        assert _matmuls(lambda: got.append(module.k_proj(x))) == 1
+        torch.testing.assert_close(got[0], want.k_proj(x))
+        module.q_proj(x)
+        module.qkv_proj.weight.mul_(2.0)
+        want.k_proj.weight.mul_(2.0)
+        torch.testing.assert_close(module.k_proj(x), want.k_proj(x))  # the weight written since
+
+
+def test_the_shared_product_is_dropped_after_the_last_sibling_and_never_pickled():
+    module, _ = _siblings()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        module.q_proj(x)
+        product = module.q_proj.product
+        assert isinstance(product, SiblingProduct) and product._out is not None
+        state = pickle.loads(pickle.dumps(module))
+        assert state.q_proj.product._out is None and state.q_proj.product.fused is state.qkv_proj
+        module.k_proj(x)
+        module.v_proj(x)
+        assert product._out is None and product._x is None
+
+
+def test_siblings_under_autograd_take_their_own_slices():
+    module, want = _siblings()
+    x = torch.randn(2, 8)
+    assert _matmuls(lambda: [module.q_proj(x), module.k_proj(x)]) == 2
+    module.k_proj(x).sum().backward()
+    assert module.qkv_proj.weight.grad is not None
+
+
+# --- whole models ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_prepared_model_equals_transformers_every_step_with_the_triton_kernels(arch, triton_on_cpu):
+    from test_transformers import TOLERANCE, run_steps
+
+    ref, _, step_module = hf_models.build_pair(arch)
+    worst, _ = run_steps(ref, step_module, step_module)
+    assert worst < TOLERANCE
+
+
+def test_fullcgs_own_llama_runs_the_fused_ops_on_eager_steps():
+    from fullcg.models.llama import LlamaConfig, LlamaModel
+
+    model = LlamaModel(LlamaConfig.tiny()).eval()
+    model.allocate_kv_cache(16, 4)
+    counts = _count_step(model, _first_step())
+    layers = len(model.layers)
+    assert counts.get("fullcg.rms_norm") == 2 * layers + 1
+    assert counts.get("fullcg.silu_mul") == layers
+
+
+def test_a_deep_copy_keeps_the_switch_and_a_pickled_model_comes_back_with_its_own_forward():
+    import io
+
+    model = hf_models.build("llama")
+    switched = use_fused_ops(model)
+    copied = copy.deepcopy(model)
+    assert copied.model.norm.forward.__self__ is copied.model.norm  # bound to the copy, not the original
+    assert "fullcg" in copied.model.norm.forward.__func__.__module__
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.model.norm.forward.__func__ is type(loaded.model.norm).forward
+    assert use_fused_ops(loaded) == switched
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.skipif(not regions_supported(), reason="this torch does not reuse a nested compile region's trace")
+def test_switched_layers_are_still_traced_once_for_all_layers():
+    from test_transformers import TOLERANCE, run_steps
+
+    torch._dynamo.reset()
+    ref = hf_models.build("llama", num_hidden_layers=4)
+    model = copy.deepcopy(ref)
+    step_module = hf_models.fhf.prepare(model, num_pages=64, page_size=4)
+    compiled = fullcg.compile(step_module, graph_mode="piecewise", compiler="eager", compile_cache=False)
+    worst, _ = run_steps(ref, step_module, compiled)
+    assert worst < TOLERANCE
+    assert [r.regions for r in compiled.runners] == [(4, 1)]  # 4 layer calls, 1 traced region
