@@ -72,6 +72,7 @@ __all__ = [
     "CompileCache",
     "cache_for",
     "cache_stats",
+    "compiled_config",
     "count",
     "file_digest",
     "fullcg_sources",
@@ -223,6 +224,13 @@ def _encode_entry(key: str, payload: bytes, secret: bytes | None) -> bytes:
     return header + hashlib.sha256(payload).hexdigest().encode() + b"\n" + signature + b"\n" + payload
 
 
+def compiled_config(config: FullCGConfig) -> FullCGConfig:
+    """``config`` with the fields that do not change what is compiled set to their defaults:
+    where dumps and the cache go, whom the cache trusts, and whether warm starts are kept.
+    The compile cache's keys and warm starts' keys both read this."""
+    return config.replace(dump_dir=None, cache_dir=None, trust_shared_cache=False, warm_start=True)
+
+
 class CompileCache:
     """fullcg's compile cache in directory ``root`` (see the module docstring).
 
@@ -244,9 +252,7 @@ class CompileCache:
 
     def key(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: FullCGConfig, pass_uuid: str) -> str:
         """The entry key of compiling ``gm`` under ``config``: everything the result depends on."""
-        # Where dumps and the cache go, whom the cache trusts and whether warm starts are
-        # kept do not change what is compiled.
-        relevant = config.replace(dump_dir=None, cache_dir=None, trust_shared_cache=False, warm_start=True)
+        relevant = compiled_config(config)
         sources = [(f, file_digest(f)) for f in sorted({*traced_source_files(gm), *fullcg_sources()})]
         text = repr((_FORMAT, pass_uuid, repr(relevant), package_versions(), gm.code,
                      input_signature(example_inputs), sources))

@@ -59,11 +59,16 @@ _TRAILING_ITEMS = re.compile(r"(\[[^\[\]]*\])+$")
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
 
 
-def _plain(value: object) -> bool:
+def _portable_value(value: object) -> bool:
     """A value that pickles as itself and compares by value in another process."""
     if isinstance(value, (bool, int, float, str, type(None))):
         return True
-    return isinstance(value, tuple) and all(_plain(v) for v in value)
+    return isinstance(value, tuple) and all(_portable_value(v) for v in value)
+
+
+def _signature(args: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
+    """What a route fixes of the step's arguments: dtype, device and the sizes after the tokens."""
+    return tuple((a.dtype, a.device, tuple(a.shape[1:])) for a in args)
 
 
 @dataclasses.dataclass
@@ -109,7 +114,7 @@ class DirectDispatch:
                     continue
                 read = None  # traced code read thread state this dispatcher does not know
                 break
-            if entry.guard_type in _VALUE_GUARDS and getattr(entry, "has_value", False) and _plain(entry.value):
+            if entry.guard_type in _VALUE_GUARDS and getattr(entry, "has_value", False) and _portable_value(entry.value):
                 values[entry.name] = entry.value
         # Dynamo hands over each frame's guards right after compiling it; a frame that made
         # no runner (no graph) has nothing to note.
@@ -160,7 +165,7 @@ class DirectDispatch:
             unwrap = True
         else:
             return None
-        signature = tuple((a.dtype, a.device, tuple(a.shape[1:])) for a in args)
+        signature = _signature(args)
         if self._signature is not None and signature != self._signature:
             return None
         for pos, _ in user_slots:
@@ -187,7 +192,7 @@ class DirectDispatch:
     def add_route(self, route: _Route, args: Sequence[torch.Tensor]) -> None:
         """Take steps like ``args``, in this forward context, on ``route`` from now on."""
         ctx = context.current_context()
-        self._signature = tuple((a.dtype, a.device, tuple(a.shape[1:])) for a in args)
+        self._signature = _signature(args)
         self._kv_caches = ctx.kv_caches if ctx is not None else None
         self._routes.append(route)
         self._by_key.clear()

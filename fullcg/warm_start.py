@@ -164,7 +164,7 @@ def _global_state() -> tuple[object, ...]:
 
 def entry_key(model: torch.nn.Module, args: Sequence[torch.Tensor], config: FullCGConfig) -> str:
     """The warm entry's key for steps of ``model`` on arguments like ``args`` (see the module doc)."""
-    relevant = config.replace(dump_dir=None, cache_dir=None, trust_shared_cache=False)
+    relevant = compile_cache.compiled_config(config)
     sources = [(f, compile_cache.file_digest(f)) for f in compile_cache.fullcg_sources()]
     text = repr((_FORMAT, type(model).__module__, type(model).__qualname__, model_fingerprint(model),
                  _signature(args), _global_state(), repr(relevant), compile_cache.package_versions(), sources))
@@ -305,8 +305,9 @@ class WarmStart:
         key = self._key_for(args)
         if key is None:
             return 0
-        payload, self._may_store[key] = cache.read(key, compile_cache.WARM)
+        payload, may_store = cache.read(key, compile_cache.WARM)
         if payload is None:
+            self._may_store[key] = may_store
             return 0
         path = cache.entry_path(key, compile_cache.WARM)
         # A new graph of this model may join the entry (it passed the trust checks).
