@@ -8,7 +8,8 @@ token count, it times, as a model captured without a compiler runs them:
 - ``rms_norm``: transformers' ``LlamaRMSNorm`` forward against ``fullcg::rms_norm``;
 - ``mlp``: ``LlamaMLP`` (gate, up, SiLU, multiply, down) against the prepared module
   (gate and up as one matmul, ``fullcg::silu_mul``, down);
-- ``qkv``: the three projections as three matmuls against one shared matmul.
+- ``qkv``: the three projections as three matmuls against one shared matmul;
+- ``rotary``: transformers' ``apply_rotary_pos_emb`` of q and k against ``fullcg::rotate_half``.
 
 Each figure is GPU microseconds per call, the median of ``--repeats`` replays of a CUDA
 graph of back-to-back calls (so host launch cost is not counted), both sides in one
@@ -64,8 +65,11 @@ def main() -> None:
         sys.exit("fused_ops.py times CUDA kernels: it needs a GPU")
     import transformers
 
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     from fullcg.integrations.eager_kernels import use_fused_ops
     from fullcg.integrations.fused_linear import fuse_sibling_projections
+    from fullcg.ops import fused as fused_ops
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     config = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=HEADS,
@@ -81,11 +85,18 @@ def main() -> None:
         for tokens in args.tokens:
             x = torch.randn(1, tokens, HIDDEN, device=dev, dtype=dtype)
             attn, fattn = layer.self_attn, fused.self_attn
+            q = torch.randn(tokens, HEADS, HEAD_DIM, device=dev, dtype=dtype)
+            k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype)
+            angles = torch.randn(tokens, HEAD_DIM // 2, device=dev)
+            cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+            hf_q, hf_k = q.transpose(0, 1)[None], k.transpose(0, 1)[None]  # transformers' [1, heads, tokens, dim]
             parts = {
                 "rms_norm": (lambda: layer.input_layernorm(x), lambda: fused.input_layernorm(x)),
                 "mlp": (lambda: layer.mlp(x), lambda: fused.mlp(x)),
                 "qkv": (lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
                         lambda: (fattn.q_proj(x), fattn.k_proj(x), fattn.v_proj(x))),
+                "rotary": (lambda: apply_rotary_pos_emb(hf_q, hf_k, cos[None], sin[None]),
+                           lambda: fused_ops.rotate_half(q, k, cos, sin)),
             }
             for part, (hf, ours) in parts.items():
                 hf_us = time_us(hf, repeats=args.repeats)

@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import logging
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,9 @@ logger = logging.getLogger(__name__)
 MISS = object()
 
 _TRAILING_ITEMS = re.compile(r"(\[[^\[\]]*\])+$")
+#: Held while a step goes through Dynamo with floats specialised (``CompiledModel._traced``):
+#: the setting is process-wide, so threads take turns rather than undo each other's.
+_SPECIALIZED_FLOATS = threading.RLock()
 #: Guards that pin a value (rather than a type, an identity or a tensor's metadata).
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
 
@@ -338,7 +342,7 @@ class CompiledModel:
         # Floats stay constants: after the same code ran with another value (a softmax scale
         # of a second model in the process), Dynamo would trace them as symbolic graph inputs,
         # which fullcg's ops (a constant scale) and pieces do not take.
-        with torch._dynamo.config.patch(specialize_float=True):
+        with _SPECIALIZED_FLOATS, torch._dynamo.config.patch(specialize_float=True):
             return self._traced_as_regions(*args, **kwargs)
 
     def _traced_as_regions(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Fused element-wise ops for eager steps: ``fullcg::rms_norm`` and ``fullcg::silu_mul``, the
-transformers modules that take them (:mod:`fullcg.integrations.eager_kernels`), and sibling
+"""Fused element-wise ops for eager steps: ``fullcg::rms_norm``, ``fullcg::silu_mul`` and
+``fullcg::rotate_half``, the transformers modules that take them (:mod:`fullcg.integrations.eager_kernels`), and sibling
 projections sharing one matmul when run eagerly.
 
 The Triton kernels run on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set by
@@ -24,7 +24,7 @@ from fullcg.ops import fused
 from fullcg.regions import regions_supported
 
 triton = pytest.importorskip("triton", reason="the fused kernels are Triton kernels: pip install triton")
-from fullcg.ops.kernels.fused import rms_norm_rows, silu_mul_rows  # noqa: E402
+from fullcg.ops.kernels.fused import rms_norm_rows, rotate_half_rows, silu_mul_rows  # noqa: E402
 
 hf_models = pytest.importorskip("hf_models", reason="needs transformers: pip install -e '.[test]'")
 transformers = hf_models.transformers
@@ -78,6 +78,32 @@ def test_silu_mul_kernel_equals_silu_times_up_on_halves_of_one_product(dtype, co
     torch.testing.assert_close(out, fused.reference_silu_mul(gate, up), rtol=_TOL[dtype], atol=_TOL[dtype])
 
 
+def _rotary_inputs(dtype, tokens=3, heads=4, kv_heads=2, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (2 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # strided views of one product, as attention has them
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    angles = torch.randn(tokens, dim // 2, generator=g)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    return q, k, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [16, 80])
+def test_rotate_half_kernel_equals_transformers_rotary_embedding_for_q_and_k_in_one_launch(dtype, dim):
+    q, k, cos, sin = _rotary_inputs(dtype, dim=dim)
+    q_out, k_out = torch.empty(q.shape, dtype=dtype), torch.empty(k.shape, dtype=dtype)
+    rotate_half_rows(q, k, cos, sin, q_out, k_out)
+    want_q, want_k = fused.reference_rotate_half(q, k, cos, sin)
+    # transformers' own function, on its [batch, heads, tokens, dim] layout
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(want_q, hf_q[0].transpose(0, 1)) and torch.equal(want_k, hf_k[0].transpose(0, 1))
+    torch.testing.assert_close(q_out, want_q, rtol=_TOL[dtype], atol=_TOL[dtype])
+    torch.testing.assert_close(k_out, want_k, rtol=_TOL[dtype], atol=_TOL[dtype])
+
+
 # --- the ops ---------------------------------------------------------------------------------
 
 
@@ -90,6 +116,7 @@ def test_fused_ops_pass_opcheck(use_triton, monkeypatch):
     torch.library.opcheck(fused.rms_norm, (x.bfloat16(), torch.randn(32), 1e-5))  # out: float32 (promoted)
     gate_up = torch.randn(4, 64)
     torch.library.opcheck(fused.silu_mul, (gate_up[:, :32], gate_up[:, 32:]))
+    torch.library.opcheck(fused.rotate_half, _rotary_inputs(torch.float32))
 
 
 def test_rms_norm_op_returns_the_promoted_dtype_in_llamas_order_and_the_inputs_in_gemmas(triton_on_cpu):
@@ -106,6 +133,15 @@ def test_fused_ops_refuse_mismatched_inputs_naming_the_fix():
         fused.silu_mul(torch.randn(2, 16), torch.randn(2, 8))
     with pytest.raises(ValueError, match="one shape, dtype and device"):
         fused.silu_mul(torch.randn(2, 16), torch.randn(2, 16).double())
+    with pytest.raises(ValueError, match="a last dimension to normalise"):
+        fused.rms_norm(torch.tensor(1.0), torch.randn(1), 1e-6)
+    assert fused.rms_norm(torch.randn(2, 0), torch.randn(0), 1e-6).shape == (2, 0)
+    assert fused.silu_mul(torch.randn(0, 4), torch.randn(0, 4)).shape == (0, 4)
+    q, k, cos, sin = _rotary_inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"cos and sin must be \[tokens, dim\]"):
+        fused.rotate_half(q, k, cos[:, :8], sin)
+    with pytest.raises(ValueError, match="one even dim"):
+        fused.rotate_half(q, k[..., :8], cos, sin)
 
 
 def test_eager_step_is_false_while_torch_compile_traces_and_where_autograd_records():
@@ -135,14 +171,19 @@ def _forms(model):
             if n.endswith("norm") or n.endswith("layernorm")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_llama_style_norms_and_mlps_are_switched_to_the_fused_ops(arch):
-    model = hf_models.build(arch)
-    layers = model.config.num_hidden_layers
-    norms_per_layer = 4 if arch == "qwen3" else 2  # Qwen3 adds q_norm and k_norm
-    assert use_fused_ops(model) == layers * norms_per_layer + 1 + layers
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_llama_style_norms_mlps_and_attention_are_switched_to_the_fused_ops(arch):
+    _, model, _ = hf_models.build_pair(arch)  # prepared: fused_ops is on by default
+    layers = model.model.layers
+    norms = {n: m for n, m in model.named_modules() if hasattr(m, "fullcg_rms_norm_form")}
+    assert len(norms) == len(layers) * (4 if arch == "qwen3" else 2) + 1  # Qwen3 adds q_norm and k_norm
     assert set(_forms(model).values()) == {(0.0, True, "variance_epsilon")}
-    assert all(getattr(layer.mlp, "fullcg_fused_mlp", False) for layer in model.model.layers)
+    assert all(getattr(layer.mlp, "fullcg_fused_mlp", False) for layer in layers)
+    # Qwen3 normalises q and k before its rotary embedding: not Llama's attention, left as it is
+    rotary = [getattr(layer.self_attn, "fullcg_fused_rotary", False) for layer in layers]
+    assert rotary == [arch != "qwen3"] * len(layers)
+    if arch != "qwen3":  # what its own forward gives the attention function, passed the same way
+        assert dict(layers[0].self_attn.fullcg_attention_kwargs)["scaling"] == layers[0].self_attn.scaling
     assert use_fused_ops(model) == 0  # switched once
 
 
@@ -176,6 +217,46 @@ class _GeluMLP(nn.Module):
         return self.down_proj(self.act(g) * u)
 
 
+def test_an_mlp_is_probed_with_random_weights_so_zero_weights_hide_no_other_activation():
+    gelu = _GeluMLP(16)
+    with torch.no_grad():
+        for p in gelu.parameters():
+            p.zero_()  # every activation gives the same output now
+    assert use_fused_ops(nn.ModuleList([gelu])) == 0
+
+
+def test_a_norm_given_another_dtype_than_its_weight_runs_its_own_forward():
+    model = hf_models.build("llama")
+    use_fused_ops(model)
+    norm = model.model.norm  # float32 weight
+    x = torch.randn(2, 64).bfloat16()
+    counter = _OpCounter()
+    with torch.no_grad(), counter:
+        out = norm(x)
+    assert "fullcg.rms_norm" not in counter.counts
+    assert torch.equal(out, type(norm).forward(norm, x))
+
+
+def test_an_adapter_that_needs_grad_keeps_its_gradient_through_a_switched_mlp():
+    model = hf_models.build("llama")
+    use_fused_ops(model)
+    model.requires_grad_(False)
+    mlp = model.model.layers[0].mlp
+
+    class Adapted(nn.Module):  # a frozen projection plus a trainable low-rank term, as LoRA adds
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.b = base, nn.Parameter(torch.zeros(base.out_features, 1))
+            self.in_features, self.out_features = base.in_features, base.out_features
+
+        def forward(self, x):
+            return self.base(x) + x.sum(-1, keepdim=True) * self.b.T
+
+    mlp.gate_proj = Adapted(mlp.gate_proj)
+    mlp(torch.randn(3, 64)).sum().backward()
+    assert mlp.gate_proj.b.grad is not None and mlp.gate_proj.b.grad.abs().sum() > 0
+
+
 def test_modules_the_fused_ops_would_compute_otherwise_keep_their_forward():
     norm = _MeanCenteredRMSNorm(16)
     gelu = _GeluMLP(16)
@@ -201,18 +282,24 @@ def _count_step(step_module, step):
     return counter.counts
 
 
-def test_a_prepared_models_eager_step_runs_one_kernel_per_norm_activation_and_projection_group():
+def test_a_prepared_models_eager_step_runs_one_kernel_per_norm_activation_rotary_and_projection_group():
     _, model, step_module = hf_models.build_pair("llama")
     layers = model.config.num_hidden_layers
     counts = _count_step(step_module, _first_step())
     assert counts.get("fullcg.rms_norm") == 2 * layers + 1
     assert counts.get("fullcg.silu_mul") == layers
-    assert "aten.rsqrt" not in counts and "aten.silu" not in counts
+    assert counts.get("fullcg.rotate_half") == layers
+    assert "aten.rsqrt" not in counts and "aten.silu" not in counts and "aten.neg" not in counts
     # q/k/v as one matmul, gate/up as one, o_proj, down_proj, and the lm_head
     assert sum(counts.get(f"aten.{mm}", 0) for mm in ("linear", "mm", "addmm")) == 4 * layers + 1
 
 
 # --- sibling projections run eagerly -----------------------------------------------------------
+
+
+def _step():
+    """A forward context with no caches: siblings share their product only inside a step."""
+    return fullcg.forward_context(_first_step().metadata)
 
 
 def _siblings(bias=False):
@@ -228,7 +315,7 @@ def test_eager_siblings_share_one_matmul_and_equal_their_own_linears(bias):
     module, want = _siblings(bias)
     x = torch.randn(3, 8)
     counter = _OpCounter()
-    with torch.no_grad(), counter:
+    with torch.no_grad(), _step(), counter:
         got = [module.q_proj(x), module.k_proj(x), module.v_proj(x)]
     assert sum(counter.counts.get(f"aten.{mm}", 0) for mm in ("linear", "mm", "addmm")) == 1
     with torch.no_grad():
@@ -247,7 +334,7 @@ def _matmuls(fn):
 def test_a_sibling_computes_afresh_for_another_input_out_of_order_or_after_an_in_place_write():
     module, want = _siblings()
     x, y = torch.randn(2, 8), torch.randn(2, 8)
-    with torch.no_grad():
+    with torch.no_grad(), _step():
         module.q_proj(x)
         assert _matmuls(lambda: module.k_proj(y)) == 1  # another tensor
         torch.testing.assert_close(module.k_proj(y), want.k_proj(y))
@@ -268,21 +355,36 @@ def test_a_sibling_computes_afresh_for_another_input_out_of_order_or_after_an_in
 def test_the_shared_product_is_dropped_after_the_last_sibling_and_never_pickled():
     module, _ = _siblings()
     x = torch.randn(2, 8)
-    with torch.no_grad():
+    with torch.no_grad(), _step():
         module.q_proj(x)
         product = module.q_proj.product
-        assert isinstance(product, SiblingProduct) and product._out is not None
-        state = pickle.loads(pickle.dumps(module))
-        assert state.q_proj.product._out is None and state.q_proj.product.fused is state.qkv_proj
+        assert isinstance(product, SiblingProduct) and product._state is not None
+        copy_ = pickle.loads(pickle.dumps(module))
+        assert copy_.q_proj.product._state is None and copy_.q_proj.product.fused is copy_.qkv_proj
         module.k_proj(x)
         module.v_proj(x)
-        assert product._out is None and product._x is None
+        assert product._state is None
 
 
+def test_siblings_share_only_within_one_step():
+    module, want = _siblings()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert _matmuls(lambda: [module.q_proj(x), module.k_proj(x), module.v_proj(x)]) == 3  # no step: each its own
+        with _step():
+            module.q_proj(x)
+        with _step():  # the next step: the same input object, rewritten in place under inference mode, say
+            got = []
+            assert _matmuls(lambda: got.append(module.k_proj(x))) == 1
+        torch.testing.assert_close(got[0], want.k_proj(x))
+
+
+@pytest.mark.filterwarnings("ignore:fullcg. a step runs with autograd enabled")
 def test_siblings_under_autograd_take_their_own_slices():
     module, want = _siblings()
     x = torch.randn(2, 8)
-    assert _matmuls(lambda: [module.q_proj(x), module.k_proj(x)]) == 2
+    with _step():
+        assert _matmuls(lambda: [module.q_proj(x), module.k_proj(x)]) == 2
     module.k_proj(x).sum().backward()
     assert module.qkv_proj.weight.grad is not None
 

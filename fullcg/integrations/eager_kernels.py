@@ -16,9 +16,11 @@ fused form's plain-torch reference agree exactly. Anything else keeps its forwar
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +42,10 @@ _EPS_NAMES = ("variance_epsilon", "eps")
 #: fingerprint): ``(weight_offset, cast_before_weight, name of the epsilon attribute)`` and a flag.
 _NORM_FORM = "fullcg_rms_norm_form"
 _FUSED_MLP = "fullcg_fused_mlp"
+_FUSED_ROTARY = "fullcg_fused_rotary"
+#: The keywords a switched attention module's own forward passes to the attention function,
+#: as ``((name, plain value), ...)``, recorded by its probe.
+_ATTENTION_KWARGS = "fullcg_attention_kwargs"
 
 
 def _switched_or_patched(module: nn.Module) -> bool:
@@ -93,10 +99,41 @@ def _norm_form(module: nn.Module, eps: float) -> tuple[float, bool] | None:
 def _rms_norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """A switched RMSNorm's forward."""
     weight = module.weight
-    if not fused.eager_step(hidden_states, weight):
+    # The probe saw inputs of the weight's dtype; other mixes keep the module's own rounding.
+    if hidden_states.dtype != weight.dtype or not fused.eager_step(hidden_states, weight):
         return type(module).forward(module, hidden_states)
     offset, cast_before_weight, eps_name = getattr(module, _NORM_FORM)
     return fused.rms_norm(hidden_states, weight, getattr(module, eps_name), offset, cast_before_weight)
+
+
+@contextlib.contextmanager
+def _random_projections(module: nn.Module, names: tuple[str, ...]) -> Iterator[bool]:
+    """``module`` with its projections ``names`` replaced by linears of random weights, same
+    shapes, for a probe: real weights may be zeros or ones before loading, which would make
+    forms that differ look alike. Yields whether every projection could be stood in for."""
+    saved = {name: getattr(module, name) for name in names}
+    stand_ins = {}
+    for name, proj in saved.items():
+        weight = getattr(proj, "weight", None)
+        features = (getattr(proj, "in_features", None), getattr(proj, "out_features", None))
+        if not isinstance(weight, torch.Tensor) or weight.device.type == "meta" or not weight.dtype.is_floating_point \
+                or not all(isinstance(f, int) for f in features):
+            yield False
+            return
+        gen = torch.Generator(device=weight.device).manual_seed(len(stand_ins))
+        linear = nn.Linear(*features, bias=getattr(proj, "bias", None) is not None, device=weight.device,
+                           dtype=weight.dtype)
+        with torch.no_grad():
+            for p in linear.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, device=weight.device) / features[0] ** 0.5)
+        stand_ins[name] = linear
+    try:
+        for name, linear in stand_ins.items():
+            setattr(module, name, linear)
+        yield True
+    finally:
+        for name, proj in saved.items():
+            setattr(module, name, proj)
 
 
 def _is_mlp(module: nn.Module) -> bool:
@@ -106,28 +143,146 @@ def _is_mlp(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def _mlp_matches(module: nn.Module) -> bool:
-    """Whether the module's forward is ``down_proj(silu(gate_proj(x)) * up_proj(x))`` on a probe."""
-    ref = getattr(module.gate_proj, "weight", None)  # a SliceLinear's is a view of the fused weight
-    if not isinstance(ref, torch.Tensor) or not ref.dtype.is_floating_point or ref.device.type == "meta":
-        return False
-    hidden = getattr(module.gate_proj, "in_features", None)
-    if not isinstance(hidden, int):
-        return False
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(2, hidden, generator=gen).to(device=ref.device, dtype=ref.dtype)
-    try:
-        out = type(module).forward(module, x)
-        want = module.down_proj(fused.reference_silu_mul(module.gate_proj(x), module.up_proj(x)))
-    except Exception:  # noqa: BLE001 - a module whose forward this probe cannot call keeps its forward
-        return False
-    return isinstance(out, torch.Tensor) and torch.equal(out, want)
+    """Whether the module's forward is ``down_proj(silu(gate_proj(x)) * up_proj(x))`` on a
+    probe, with random weights in its projections."""
+    with _random_projections(module, ("gate_proj", "up_proj", "down_proj")) as ok:
+        if not ok:
+            return False
+        ref = module.gate_proj.weight
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(2, module.gate_proj.in_features, generator=gen).to(device=ref.device, dtype=ref.dtype)
+        try:
+            out = type(module).forward(module, x)
+            want = module.down_proj(fused.reference_silu_mul(module.gate_proj(x), module.up_proj(x)))
+        except Exception:  # noqa: BLE001 - a module whose forward this probe cannot call keeps its forward
+            return False
+        return isinstance(out, torch.Tensor) and torch.equal(out, want)
 
 
 def _mlp_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A switched MLP's forward."""
-    if args or kwargs or not fused.eager_step(x, module.gate_proj.weight, module.up_proj.weight):
+    if args or kwargs or torch.compiler.is_compiling():
         return type(module).forward(module, x, *args, **kwargs)
-    return module.down_proj(fused.silu_mul(module.gate_proj(x), module.up_proj(x)))
+    gate, up = module.gate_proj(x), module.up_proj(x)
+    # The tensors the op takes decide: an adapter's trainable weights make them need grad.
+    act = fused.silu_mul(gate, up) if fused.eager_step(gate, up) else fused.reference_silu_mul(gate, up)
+    return module.down_proj(act)
+
+
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ATTENTION_CHILD = "fullcg_attention"  # fhf.prepare's name for a module's fullcg.Attention (transformers._CHILD)
+_ATTN_IMPLEMENTATION = "fullcg"  # transformers.ATTN_IMPLEMENTATION: the switched forward is fullcg's attention
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return (all(isinstance(getattr(module, name, None), nn.Module) for name in _ATTENTION_PARTS)
+            and isinstance(getattr(module, _ATTENTION_CHILD, None), nn.Module)
+            and isinstance(getattr(module, "head_dim", None), int) and hasattr(module, "config") and not _hooked(module))
+
+
+def _rotary_attention(module: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any,
+                      kwargs: dict[str, Any], rotary: Any = None) -> tuple[torch.Tensor, None]:
+    """transformers' Llama attention, token-major, with ``rotary`` for its rotary embedding
+    (default: the fused op, or its reference where a gradient is recorded). ``kwargs`` go to
+    the attention function with the module's own (its softmax scale, dropout, window or
+    soft-cap: what its forward passed in the probe)."""
+    from fullcg.integrations.transformers import attention_forward
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    q = module.q_proj(hidden_states).view(hidden_shape)  # [1, T, H, D]
+    k = module.k_proj(hidden_states).view(hidden_shape)
+    v = module.v_proj(hidden_states).view(hidden_shape)
+    cos, sin = position_embeddings  # [1, T, D]
+    if rotary is None:  # the fused op where nothing needs its (absent) backward
+        rotary = fused.rotate_half if fused.eager_step(q, k, cos, sin) else fused.reference_rotate_half
+    q, k = rotary(q[0], k[0], cos[0], sin[0])
+    out, _ = attention_forward(module, q[None].transpose(1, 2), k[None].transpose(1, 2), v.transpose(1, 2), None,
+                               **{**kwargs, **dict(getattr(module, _ATTENTION_KWARGS))})
+    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+
+def _attention_forward(module: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
+                       attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+    """A switched attention module's forward."""
+    # transformers' cache, under either of its names (a parameter of the forward, never the
+    # attention function's; an empty cache is falsy: test for None).
+    caches = {name: kwargs.pop(name) for name in ("past_key_values", "cache") if name in kwargs}
+    caches = {name: value for name, value in caches.items() if value is not None}
+    if (args or caches or attention_mask is not None or not isinstance(position_embeddings, tuple)
+            or torch.compiler.is_compiling() or not isinstance(hidden_states, torch.Tensor)
+            or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
+            or getattr(module.config, "_attn_implementation", None) != _ATTN_IMPLEMENTATION):
+        kwargs.update(caches)  # under the name it came by
+        return type(module).forward(module, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    return _rotary_attention(module, hidden_states, position_embeddings, kwargs)
+
+
+@torch.no_grad()
+def _attention_matches(module: nn.Module) -> bool:
+    """Whether the module's forward is Llama's (projections, rotary embedding in transformers'
+    form, fullcg attention at ``module.scaling``, output projection) on a 3-token probe step
+    with random weights in its projections and plain-torch attention (the probe writes into
+    the first page of the layer's fresh cache, which no request holds yet)."""
+    from fullcg.config import FullCGConfig
+    from fullcg.context import forward_context
+    from fullcg.metadata import AttentionMetadata
+
+    from fullcg.integrations.transformers import attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cache = getattr(getattr(module, _ATTENTION_CHILD), "kv_cache", None)
+    if cache is None:
+        return False
+    calls: list[dict[str, Any]] = []
+
+    def recording(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if m is module:
+            calls.append(dict(kwargs))
+        return attention_forward(m, *args, **kwargs)
+
+    with _random_projections(module, _ATTENTION_PARTS) as ok:
+        if not ok:
+            return False
+        ref = module.q_proj.weight
+        tokens, dim = 3, module.head_dim
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(1, tokens, module.q_proj.in_features, generator=gen).to(device=ref.device, dtype=ref.dtype)
+        angles = torch.randn(tokens, dim // 2, generator=gen)
+        cos = torch.cat([angles.cos()] * 2, dim=-1)[None].to(device=ref.device, dtype=ref.dtype)
+        sin = torch.cat([angles.sin()] * 2, dim=-1)[None].to(device=ref.device, dtype=ref.dtype)
+        pages = -(-tokens // cache.page_size)
+        overridden = _ATTN_IMPLEMENTATION in ALL_ATTENTION_FUNCTIONS._local_mapping
+        try:
+            md = AttentionMetadata.build([tokens], [0], torch.arange(pages, dtype=torch.int32, device=ref.device)[None],
+                                         cache.page_size, num_pages=cache.num_pages, positions=list(range(tokens)))
+            with forward_context(md, module, config=FullCGConfig(attention_impl="reference")):
+                # The module's own forward, through an attention function that records what it is given
+                # (transformers' registry, overridden for this call only: prepare is not a step).
+                previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(_ATTN_IMPLEMENTATION)
+                ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION] = recording
+                try:
+                    out = type(module).forward(module, x, (cos, sin), None)
+                finally:
+                    if overridden:
+                        ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION] = previous
+                    else:
+                        del ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION]
+                if len(calls) != 1 or not all(_plain_value(v) for v in calls[0].values()):
+                    return False  # attention called twice, or given tensors of its own (sink logits)
+                setattr(module, _ATTENTION_KWARGS, tuple(sorted(calls[0].items())))
+                want = _rotary_attention(module, x, (cos, sin), {}, fused.reference_rotate_half)
+        except Exception:  # noqa: BLE001 - a module whose forward this probe cannot call keeps its forward
+            vars(module).pop(_ATTENTION_KWARGS, None)
+            return False
+        if isinstance(out, tuple) and isinstance(out[0], torch.Tensor) and torch.equal(out[0], want[0]):
+            return True
+        delattr(module, _ATTENTION_KWARGS)
+        return False
+
+
+def _plain_value(value: Any) -> bool:
+    return value is None or type(value) in (bool, int, float, str)
 
 
 def use_fused_ops(model: nn.Module) -> int:
@@ -153,6 +308,13 @@ def use_fused_ops(model: nn.Module) -> int:
             setattr(module, _NORM_FORM, (*form, eps_name))  # the epsilon is read per call, as the module does
             module.forward = types.MethodType(_rms_norm_forward, module)
             switched += 1
+        elif _is_attention(module):
+            if not _attention_matches(module):
+                logger.debug("fullcg: %s keeps its forward: it is not Llama's attention", type(module).__name__)
+                continue
+            setattr(module, _FUSED_ROTARY, True)
+            module.forward = types.MethodType(_attention_forward, module)
+            switched += 1
         elif _is_mlp(module):
             if not _mlp_matches(module):
                 logger.debug("fullcg: %s keeps its forward: it is not down(silu(gate) * up)", type(module).__name__)
@@ -165,4 +327,4 @@ def use_fused_ops(model: nn.Module) -> int:
 
 # Bound on an instance as its ``forward``: pickle reduces a bound method to
 # ``getattr(instance, __name__)``, which finds the class's forward while the module is rebuilt.
-_rms_norm_forward.__name__ = _mlp_forward.__name__ = "forward"
+_rms_norm_forward.__name__ = _mlp_forward.__name__ = _attention_forward.__name__ = "forward"

@@ -10,9 +10,9 @@ The model's ``state_dict`` keeps the original keys (``q_proj.weight``, ...: row 
 the fused weight), and loading one with those keys fills the fused weight, so checkpoints
 saved from a prepared model load into an unprepared one and back.
 
-Run eagerly (no compiler traces the step), the siblings share one matmul too: the first
-sibling computes the whole group's product and each later one, called on the same input
-tensor, returns its rows of it (:class:`SiblingProduct`).
+Run eagerly (no compiler traces the step) inside a fullcg step, the siblings share one
+matmul too: the first sibling computes the whole group's product and each later one, called
+on the same input tensor, returns its columns of it (:class:`SiblingProduct`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fullcg.context import current_context
 from fullcg.ops import fused as fused_ops
 
 __all__ = ["SliceLinear", "SiblingProduct", "fuse_sibling_projections", "SIBLING_GROUPS"]
@@ -50,42 +51,49 @@ class SiblingProduct:
     Siblings are called in order on the same input (``q_proj(x)``, ``k_proj(x)``,
     ``v_proj(x)``). The first computes ``x @ fused.weight.T`` for the whole group; a later
     sibling takes its columns of that product (a view: rows strided by the group's width)
-    when its input is the same tensor, unchanged since (version counters, where the tensors
-    have them), and it comes after the last sibling served; anything else computes afresh.
-    The product is dropped once the last sibling has taken its columns.
+    when all of these hold, and computes afresh otherwise:
+
+    - it runs in the same fullcg forward context (the same step) as the sibling before it,
+      and comes after it in the group;
+    - its input is the same tensor, and neither the input nor the weight was written in
+      place since (version counters; an inference tensor has none, so under
+      ``torch.inference_mode`` a write to the input between two siblings of one step goes
+      unseen: nothing in a decoder layer does that).
+
+    Outside a forward context every sibling computes its own. The state is one tuple,
+    replaced whole and read once per call, so threads stepping one model each see a
+    consistent product (at worst, computed afresh). It is dropped after the last sibling.
     """
 
     def __init__(self, fused: nn.Linear, bounds: Sequence[tuple[int, int]]) -> None:
         self.fused = fused
         self.bounds = tuple(bounds)
-        self._clear()
-
-    def _clear(self) -> None:
-        self._x: torch.Tensor | None = None
-        self._out: torch.Tensor | None = None
-        self._versions: tuple[int | None, int | None] = (None, None)
-        self._last = -1
+        #: (context, input, versions, product, index of the last sibling served), or None.
+        self._state: tuple[Any, torch.Tensor, tuple[int | None, int | None], torch.Tensor, int] | None = None
 
     def columns(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Sibling ``index``'s projection of ``x``."""
+        ctx = current_context()
         weight = self.fused.weight
+        if ctx is None:
+            start, stop = self.bounds[index]
+            return F.linear(x, weight[start:stop], None if self.fused.bias is None else self.fused.bias[start:stop])
         versions = (_version(x), _version(weight))
-        if index == 0 or x is not self._x or index <= self._last or versions != self._versions:
-            self._out = F.linear(x, weight, self.fused.bias)
-            self._x, self._versions = x, versions
+        state = self._state
+        if state is not None and state[0] is ctx and state[1] is x and state[2] == versions and index > state[4]:
+            product = state[3]
+        else:
+            product = F.linear(x, weight, self.fused.bias)
         start, stop = self.bounds[index]
-        out = self._out[..., start:stop]
-        self._last = index
-        if index == len(self.bounds) - 1:
-            self._clear()
-        return out
+        self._state = None if index == len(self.bounds) - 1 else (ctx, x, versions, product, index)
+        return product[..., start:stop]
 
     def __getstate__(self) -> dict[str, Any]:  # the product of a step in flight is not the model's state
         return {"fused": self.fused, "bounds": self.bounds}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.fused, self.bounds = state["fused"], state["bounds"]
-        self._clear()
+        self._state = None
 
 
 class SliceLinear(nn.Module):

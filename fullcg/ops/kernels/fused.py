@@ -4,8 +4,10 @@ without a compiler: RMSNorm and SiLU(gate) x up, each one kernel.
 Run eagerly, a transformers ``RMSNorm`` is seven kernels (cast, square, mean, add, rsqrt,
 multiply, cast, multiply by the weight) and an MLP's activation two; captured in a CUDA
 graph each is a node whose ramp-up and tail the step pays per layer. Each kernel here reads
-its inputs once and writes its output once, rounding where the module it stands for rounds
-(so a bf16 model's values match it to the last bit but for the order of a sum).
+its inputs once and writes its output once, rounding to the inputs' dtype where the module it
+stands for rounds; within a step it computes in float32 with Triton's fast math (``exp``,
+``rsqrt``, the order of a sum), so values can differ from the module's in the last bits of
+float32 and, rarely, by one unit in the last place of bfloat16.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton.language as tl
 
 from fullcg.ops.kernels.launch import Launcher
 
-__all__ = ["rms_norm_rows", "silu_mul_rows"]
+__all__ = ["rms_norm_rows", "silu_mul_rows", "rotate_half_rows"]
 
 
 @triton.jit
@@ -30,8 +32,9 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if CAST_BEFORE_WEIGHT:  # weight * normed.to(input dtype) (Llama's order)
-        y = (w + weight_offset) * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if CAST_BEFORE_WEIGHT:  # (weight + offset) * normed.to(input dtype), all in the weight's dtype (Llama's order)
+        w = (w + weight_offset).to(w_ptr.dtype.element_ty).to(tl.float32)
+        y = w * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     else:  # (normed * (weight + offset)).to(output dtype) (Gemma's order)
         y = normed * (w + weight_offset)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -52,7 +55,40 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_out + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rotate_half_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, q_heads,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per (token, head) of q and k together: heads past q's are k's.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HALF
+    c1 = tl.load(cos_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_cos + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_sin + cols, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_sin + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    if h < q_heads:
+        src = q_ptr + t * stride_qt + h * stride_qh
+        dst = q_out_ptr + (t * q_heads + h) * (2 * HALF)
+    else:
+        src = k_ptr + t * stride_kt + (h - q_heads) * stride_kh
+        dst = k_out_ptr + (t * (tl.num_programs(1) - q_heads) + h - q_heads) * (2 * HALF)
+    dtype = q_out_ptr.dtype.element_ty
+    x1 = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), each product and the
+    # sum rounded to the input's dtype as the eager expression rounds them.
+    first = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
+    second = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    tl.store(dst + cols, first.to(dtype), mask=mask)
+    tl.store(dst + HALF + cols, second.to(dtype), mask=mask)
+
+
 _RMS_NORM = Launcher(_rms_norm_kernel)
+_ROTATE_HALF = Launcher(_rotate_half_kernel)
 _SILU_MUL = Launcher(_silu_mul_kernel)
 _SILU_BLOCK = 1024
 
@@ -90,4 +126,22 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> No
         (gate, up, out, gate.stride(0), up.stride(0), out.stride(0), cols),
         (block,),
         4, 1,
+    )
+
+
+def rotate_half_rows(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_out: torch.Tensor, k_out: torch.Tensor) -> None:
+    """``x * cos + rotate_half(x) * sin`` for ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (each head's
+    ``D`` values contiguous) by ``cos``/``sin [T, D]`` (rows contiguous), into contiguous
+    ``q_out`` and ``k_out``."""
+    tokens, q_heads, dim = q.shape
+    if tokens == 0:
+        return
+    half = dim // 2
+    _ROTATE_HALF(
+        (tokens, q_heads + k.shape[1], 1),
+        (q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+         sin.stride(0), q_heads),
+        (half, triton.next_power_of_2(half)),
+        1 if half <= 64 else 2, 1,
     )
