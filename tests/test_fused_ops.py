@@ -443,3 +443,48 @@ def test_switched_layers_are_still_traced_once_for_all_layers():
     worst, _ = run_steps(ref, step_module, compiled)
     assert worst < TOLERANCE
     assert [r.regions for r in compiled.runners] == [(4, 1)]  # 4 layer calls, 1 traced region
+
+
+def _olmo(**changes):
+    config = transformers.OlmoConfig(**hf_models._COMMON, **changes)
+    return hf_models.randomize(transformers.OlmoForCausalLM(config), 0).eval()
+
+
+def test_a_model_whose_rotary_angles_stay_float32_runs_its_own_attention_forward_in_bfloat16():
+    from test_transformers import run_steps
+
+    ref = _olmo().to(torch.bfloat16)  # OLMo's rotary embedding returns float32 cos and sin
+    model = copy.deepcopy(ref)
+    step_module = hf_models.fhf.prepare(model, num_pages=64, page_size=4)
+    assert model.model.layers[0].self_attn.fullcg_fused_rotary  # the probe saw angles in the weights' dtype
+    worst, _ = run_steps(ref, step_module, step_module)  # every step falls back to OLMo's own forward
+    assert worst < 0.1  # bfloat16 logits against transformers' sdpa
+
+
+def test_attention_that_clips_q_k_v_by_value_keeps_its_forward():
+    model = _olmo(clip_qkv=8.0)
+    hf_models.fhf.prepare(model, num_pages=16, page_size=4)
+    assert not any(getattr(layer.self_attn, "fullcg_fused_rotary", False) for layer in model.model.layers)
+
+
+def test_in_training_mode_switched_modules_run_their_own_forward():
+    _, model, step_module = hf_models.build_pair("llama")
+    model.train()
+    step = _first_step()
+    counter = _OpCounter()
+    with torch.no_grad(), fullcg.forward_context(step.metadata, step_module), counter:
+        step_module(step.input_ids, step.positions)
+    assert not any(name.startswith("fullcg.") and name != "fullcg.attention" for name in counter.counts)
+
+
+def test_the_attention_probe_leaves_the_layers_cache_untouched():
+    model = hf_models.build("llama")
+    hf_models.fhf.prepare(model, num_pages=16, page_size=4, fused_ops=False)
+    caches = [layer.self_attn.fullcg_attention.kv_cache for layer in model.model.layers]
+    for cache in caches:
+        cache.k.fill_(7.0)
+        cache.v.fill_(7.0)
+    assert use_fused_ops(model) > 0
+    assert [layer.self_attn.fullcg_attention.kv_cache for layer in model.model.layers] == caches
+    assert all(bool((c.k == 7.0).all()) and bool((c.v == 7.0).all()) for c in caches)
+    assert all(layer.self_attn.fullcg_fused_rotary for layer in model.model.layers)

@@ -1,17 +1,21 @@
 """transformers modules whose eager forward runs fullcg's fused ops.
 
 A model captured without a compiler (``compiler="none"``) runs transformers' Python every
-step, so each torch operation of an ``RMSNorm`` (seven) and of a SwiGLU MLP's activation
-(two) is a kernel of its own in the captured graph. :func:`use_fused_ops` gives such modules
-a forward that calls :func:`fullcg.ops.fused.rms_norm` and :func:`fullcg.ops.fused.silu_mul`
-(one kernel each) when the step runs eagerly, and the module's own forward while
-``torch.compile`` traces it (Inductor fuses those operations itself) or while autograd
-records.
+step, so each torch operation of an ``RMSNorm`` (seven), of a SwiGLU MLP's activation (two)
+and of the rotary embedding of q and k (ten) is a kernel of its own in the captured graph.
+:func:`use_fused_ops` gives such modules a forward that calls
+:func:`fullcg.ops.fused.rms_norm`, :func:`fullcg.ops.fused.silu_mul` and
+:func:`fullcg.ops.fused.rotate_half` (one kernel each) when the step runs eagerly, and the
+module's own forward while ``torch.compile`` traces it (Inductor fuses those operations
+itself) or in training mode; where the op's inputs need a gradient, its plain-torch
+reference runs instead (the ops have no backward).
 
 A module is switched only where the fused form computes what its forward computes: the
 class looks like the kind (an ``RMSNorm`` with a weight and an epsilon; an MLP with
-``gate_proj``, ``up_proj`` and ``down_proj``), and on a probe input its own forward and the
-fused form's plain-torch reference agree exactly. Anything else keeps its forward.
+``gate_proj``, ``up_proj`` and ``down_proj``; an attention module with ``q_proj``,
+``k_proj``, ``v_proj``, ``o_proj``, ``head_dim`` and fullcg's layer), and on probe inputs,
+with random weights standing in for its own, its forward and the fused form's plain-torch
+reference agree exactly. Anything else keeps its forward.
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ def _rms_norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.T
     """A switched RMSNorm's forward."""
     weight = module.weight
     # The probe saw inputs of the weight's dtype; other mixes keep the module's own rounding.
-    if hidden_states.dtype != weight.dtype or not fused.eager_step(hidden_states, weight):
+    if hidden_states.dtype != weight.dtype or module.training or not fused.eager_step(hidden_states, weight):
         return type(module).forward(module, hidden_states)
     offset, cast_before_weight, eps_name = getattr(module, _NORM_FORM)
     return fused.rms_norm(hidden_states, weight, getattr(module, eps_name), offset, cast_before_weight)
@@ -120,12 +124,19 @@ def _random_projections(module: nn.Module, names: tuple[str, ...]) -> Iterator[b
                 or not all(isinstance(f, int) for f in features):
             yield False
             return
-        gen = torch.Generator(device=weight.device).manual_seed(len(stand_ins))
-        linear = nn.Linear(*features, bias=getattr(proj, "bias", None) is not None, device=weight.device,
-                           dtype=weight.dtype)
-        with torch.no_grad():
-            for p in linear.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen, device=weight.device) / features[0] ** 0.5)
+        # Seeds of their own (the probe's input is drawn from seed 0), drawn in the weight's
+        # dtype: a stand-in costs what the projection costs, and no more.
+        gen = torch.Generator(device=weight.device).manual_seed(1000 + len(stand_ins))
+        try:
+            linear = nn.Linear(*features, bias=getattr(proj, "bias", None) is not None, device=weight.device,
+                               dtype=weight.dtype)
+            with torch.no_grad():
+                for p in linear.parameters():
+                    p.normal_(0.0, features[0] ** -0.5, generator=gen)
+        except torch.OutOfMemoryError:
+            logger.debug("fullcg: no memory for a probe's stand-in %s; the module keeps its forward", name)
+            yield False
+            return
         stand_ins[name] = linear
     try:
         for name, linear in stand_ins.items():
@@ -161,7 +172,7 @@ def _mlp_matches(module: nn.Module) -> bool:
 
 def _mlp_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A switched MLP's forward."""
-    if args or kwargs or torch.compiler.is_compiling():
+    if args or kwargs or module.training or torch.compiler.is_compiling():
         return type(module).forward(module, x, *args, **kwargs)
     gate, up = module.gate_proj(x), module.up_proj(x)
     # The tensors the op takes decide: an adapter's trainable weights make them need grad.
@@ -202,6 +213,19 @@ def _rotary_attention(module: nn.Module, hidden_states: torch.Tensor, position_e
     return module.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
 
+def _llama_rotary(position_embeddings: Any, hidden_states: Any, head_dim: int) -> bool:
+    """Whether a step's inputs are what the probe saw: packed hidden states ``[1, T, hidden]``
+    and ``(cos, sin)`` of ``[1, T, head_dim]`` in their dtype (models that rotate part of each
+    head, or keep the angles in float32, give other ones, and run their own forward)."""
+    if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2 \
+            or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
+        return False
+    cos, sin = position_embeddings
+    want = (1, hidden_states.shape[1], head_dim)
+    return (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.shape == want
+            and sin.shape == want and cos.dtype == sin.dtype == hidden_states.dtype)
+
+
 def _attention_forward(module: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
                        attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
     """A switched attention module's forward."""
@@ -209,9 +233,8 @@ def _attention_forward(module: nn.Module, hidden_states: torch.Tensor, position_
     # attention function's; an empty cache is falsy: test for None).
     caches = {name: kwargs.pop(name) for name in ("past_key_values", "cache") if name in kwargs}
     caches = {name: value for name, value in caches.items() if value is not None}
-    if (args or caches or attention_mask is not None or not isinstance(position_embeddings, tuple)
-            or torch.compiler.is_compiling() or not isinstance(hidden_states, torch.Tensor)
-            or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
+    if (args or caches or attention_mask is not None or module.training or torch.compiler.is_compiling()
+            or not _llama_rotary(position_embeddings, hidden_states, module.head_dim)
             or getattr(module.config, "_attn_implementation", None) != _ATTN_IMPLEMENTATION):
         kwargs.update(caches)  # under the name it came by
         return type(module).forward(module, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
@@ -221,19 +244,21 @@ def _attention_forward(module: nn.Module, hidden_states: torch.Tensor, position_
 @torch.no_grad()
 def _attention_matches(module: nn.Module) -> bool:
     """Whether the module's forward is Llama's (projections, rotary embedding in transformers'
-    form, fullcg attention at ``module.scaling``, output projection) on a 3-token probe step
-    with random weights in its projections and plain-torch attention (the probe writes into
-    the first page of the layer's fresh cache, which no request holds yet)."""
+    form, fullcg attention, output projection) on a 3-token prefill, with random weights in its
+    projections, plain-torch attention over a scratch cache, and inputs at two scales; records
+    the keywords its forward gives the attention function (``fullcg_attention_kwargs``)."""
     from fullcg.config import FullCGConfig
     from fullcg.context import forward_context
+    from fullcg.kv_cache import KVCache
     from fullcg.metadata import AttentionMetadata
 
     from fullcg.integrations.transformers import attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    cache = getattr(getattr(module, _ATTENTION_CHILD), "kv_cache", None)
-    if cache is None:
-        return False
+    layer = getattr(module, _ATTENTION_CHILD)
+    cache = getattr(layer, "kv_cache", None)
+    if cache is None or getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
+        return False  # (clipping q/k/v by value is what a probe at two scales could still miss)
     calls: list[dict[str, Any]] = []
 
     def recording(m: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -253,32 +278,46 @@ def _attention_matches(module: nn.Module) -> bool:
         sin = torch.cat([angles.sin()] * 2, dim=-1)[None].to(device=ref.device, dtype=ref.dtype)
         pages = -(-tokens // cache.page_size)
         overridden = _ATTN_IMPLEMENTATION in ALL_ATTENTION_FUNCTIONS._local_mapping
+        previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(_ATTN_IMPLEMENTATION)
+        matches = True
         try:
+            # A scratch cache of the probe's pages: the layer's own may already hold requests.
+            layer.kv_cache = KVCache.allocate(pages, cache.page_size, cache.num_kv_heads, cache.head_dim,
+                                              v_head_dim=cache.v_head_dim, dtype=cache.k.dtype, device=cache.k.device)
             md = AttentionMetadata.build([tokens], [0], torch.arange(pages, dtype=torch.int32, device=ref.device)[None],
-                                         cache.page_size, num_pages=cache.num_pages, positions=list(range(tokens)))
-            with forward_context(md, module, config=FullCGConfig(attention_impl="reference")):
-                # The module's own forward, through an attention function that records what it is given
-                # (transformers' registry, overridden for this call only: prepare is not a step).
-                previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(_ATTN_IMPLEMENTATION)
+                                         cache.page_size, num_pages=pages, positions=list(range(tokens)))
+            config = FullCGConfig(attention_impl="reference")
+            # Two scales, so that what acts only on large values (a clip) shows too; each call a
+            # step of its own (a layer saves its k/v once a step). The module's own forward goes
+            # through an attention function that records what it is given (transformers'
+            # registry, overridden for these calls only).
+            for scale in (1.0, 1000.0):
+                calls.clear()
                 ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION] = recording
                 try:
-                    out = type(module).forward(module, x, (cos, sin), None)
+                    with forward_context(md, module, config=config):
+                        out = type(module).forward(module, x * scale, (cos, sin), None)
                 finally:
                     if overridden:
                         ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION] = previous
                     else:
                         del ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION]
                 if len(calls) != 1 or not all(_plain_value(v) for v in calls[0].values()):
-                    return False  # attention called twice, or given tensors of its own (sink logits)
+                    matches = False  # attention called twice, or given tensors of its own (sink logits)
+                    break
                 setattr(module, _ATTENTION_KWARGS, tuple(sorted(calls[0].items())))
-                want = _rotary_attention(module, x, (cos, sin), {}, fused.reference_rotate_half)
+                with forward_context(md, module, config=config):
+                    want = _rotary_attention(module, x * scale, (cos, sin), {}, fused.reference_rotate_half)
+                matches = matches and isinstance(out, tuple) and isinstance(out[0], torch.Tensor) \
+                    and torch.equal(out[0], want[0])
         except Exception:  # noqa: BLE001 - a module whose forward this probe cannot call keeps its forward
-            vars(module).pop(_ATTENTION_KWARGS, None)
-            return False
-        if isinstance(out, tuple) and isinstance(out[0], torch.Tensor) and torch.equal(out[0], want[0]):
-            return True
-        delattr(module, _ATTENTION_KWARGS)
-        return False
+            logger.debug("fullcg: probing %s failed", type(module).__name__, exc_info=True)
+            matches = False
+        finally:
+            layer.kv_cache = cache
+            if not matches:
+                vars(module).pop(_ATTENTION_KWARGS, None)
+        return matches
 
 
 def _plain_value(value: Any) -> bool:
@@ -286,9 +325,12 @@ def _plain_value(value: Any) -> bool:
 
 
 def use_fused_ops(model: nn.Module) -> int:
-    """Give ``model``'s RMSNorm and SwiGLU MLP modules forwards that run fullcg's fused ops
-    on eager steps (see the module doc); returns how many modules were switched. Calling it
-    again switches nothing more.
+    """Give ``model``'s RMSNorm, SwiGLU MLP and Llama-style attention modules forwards that run
+    fullcg's fused ops on eager steps (see the module doc); returns how many modules were
+    switched. Calling it again switches nothing more. Attention modules are switched only
+    once :func:`fullcg.integrations.transformers.prepare` gave them fullcg's layer; their
+    probe runs a prefill over a scratch cache and overrides transformers' attention registry
+    for its own calls, so call this outside any step.
 
     The new forward is a method bound on the instance, which Dynamo traces like the class's
     own (a callable object or a ``functools.partial`` there makes it trace the first layer of

@@ -517,9 +517,10 @@ def prepare(
     saves loads into the model as transformers builds it, and such a checkpoint loads into it.
     Run eagerly, the siblings share one matmul as well.
 
-    With ``fused_ops`` (the default), RMSNorm modules and SwiGLU MLPs whose forward fullcg
-    recognises (checked on a probe input) run one fused kernel each for the norm and for
-    ``silu(gate) * up`` when a step runs eagerly or is captured without a compiler
+    With ``fused_ops`` (the default), RMSNorm modules, SwiGLU MLPs and Llama-style attention
+    modules whose forward fullcg recognises (checked on probe inputs) run one fused kernel
+    each for the norm, for ``silu(gate) * up`` and for the rotary embedding of q and k when a
+    step runs eagerly or is captured without a compiler
     (:func:`fullcg.integrations.eager_kernels.use_fused_ops`); ``torch.compile`` still traces
     their own forward.
 
@@ -551,7 +552,7 @@ def prepare(
         fuse_sibling_projections(model)
     if fused_ops:
         switched = use_fused_ops(model)
-        logger.info("fullcg: %d norm and MLP modules of %s run fused kernels on eager steps", switched,
+        logger.info("fullcg: %d norm, MLP and attention modules of %s run fused kernels on eager steps", switched,
                     type(model).__name__)
     logger.info("fullcg: prepared %d attention layers of %s (%d pages of %d tokens each)",
                 len(plan), type(model).__name__, num_pages, page_size)

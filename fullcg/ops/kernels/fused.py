@@ -1,8 +1,10 @@
 """Triton kernels for the element-wise work between a decoder layer's matmuls, when it runs
-without a compiler: RMSNorm and SiLU(gate) x up, each one kernel.
+without a compiler: RMSNorm, SiLU(gate) x up, and the rotary embedding of q and k, each one
+kernel.
 
 Run eagerly, a transformers ``RMSNorm`` is seven kernels (cast, square, mean, add, rsqrt,
-multiply, cast, multiply by the weight) and an MLP's activation two; captured in a CUDA
+multiply, cast, multiply by the weight), an MLP's activation two and the rotary embedding of
+q and k ten; captured in a CUDA
 graph each is a node whose ramp-up and tail the step pays per layer. Each kernel here reads
 its inputs once and writes its output once, rounding to the inputs' dtype where the module it
 stands for rounds; within a step it computes in float32 with Triton's fast math (``exp``,
