@@ -30,6 +30,8 @@ hf_models = pytest.importorskip("hf_models", reason="needs transformers: pip ins
 transformers = hf_models.transformers
 
 _TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+#: The kernels' tests run on the GPU where there is one, else on the CPU under the interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture
@@ -58,9 +60,9 @@ class _OpCounter(TorchDispatchMode):
 @pytest.mark.parametrize("cols", [64, 80])
 def test_rms_norm_kernel_equals_the_reference_in_every_form_over_strided_rows(dtype, form, cols):
     g = torch.Generator().manual_seed(cols)
-    wide = (3 * torch.randn(5, cols + 16, generator=g)).to(dtype)
+    wide = (3 * torch.randn(5, cols + 16, generator=g)).to(dtype=dtype, device=DEVICE)
     x = wide[:, 8 : 8 + cols]  # rows strided by cols + 16
-    weight = torch.randn(cols, generator=g).to(dtype)
+    weight = torch.randn(cols, generator=g).to(dtype=dtype, device=DEVICE)
     want = fused.reference_rms_norm(x, weight, 1e-6, *form)
     out = torch.empty_like(want)
     rms_norm_rows(x, weight, out, 1e-6, *form)
@@ -71,28 +73,28 @@ def test_rms_norm_kernel_equals_the_reference_in_every_form_over_strided_rows(dt
 @pytest.mark.parametrize("cols", [48, 2500])  # 2500: more than one block of columns per row
 def test_silu_mul_kernel_equals_silu_times_up_on_halves_of_one_product(dtype, cols):
     g = torch.Generator().manual_seed(cols)
-    gate_up = (2 * torch.randn(3, 2 * cols, generator=g)).to(dtype)
+    gate_up = (2 * torch.randn(3, 2 * cols, generator=g)).to(dtype=dtype, device=DEVICE)
     gate, up = gate_up[:, :cols], gate_up[:, cols:]
-    out = torch.empty(3, cols, dtype=dtype)
+    out = torch.empty(3, cols, dtype=dtype, device=DEVICE)
     silu_mul_rows(gate, up, out)
     torch.testing.assert_close(out, fused.reference_silu_mul(gate, up), rtol=_TOL[dtype], atol=_TOL[dtype])
 
 
-def _rotary_inputs(dtype, tokens=3, heads=4, kv_heads=2, dim=16, seed=0):
+def _rotary_inputs(dtype, tokens=3, heads=4, kv_heads=2, dim=16, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    qkv = (2 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)).to(dtype)
+    qkv = (2 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)).to(dtype=dtype, device=device)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)  # strided views of one product, as attention has them
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     angles = torch.randn(tokens, dim // 2, generator=g)
-    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype=dtype, device=device) for f in (torch.cos, torch.sin))
     return q, k, cos, sin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [16, 80])
 def test_rotate_half_kernel_equals_transformers_rotary_embedding_for_q_and_k_in_one_launch(dtype, dim):
-    q, k, cos, sin = _rotary_inputs(dtype, dim=dim)
-    q_out, k_out = torch.empty(q.shape, dtype=dtype), torch.empty(k.shape, dtype=dtype)
+    q, k, cos, sin = _rotary_inputs(dtype, dim=dim, device=DEVICE)
+    q_out, k_out = torch.empty(q.shape, dtype=dtype, device=DEVICE), torch.empty(k.shape, dtype=dtype, device=DEVICE)
     rotate_half_rows(q, k, cos, sin, q_out, k_out)
     want_q, want_k = fused.reference_rotate_half(q, k, cos, sin)
     # transformers' own function, on its [batch, heads, tokens, dim] layout
@@ -107,16 +109,19 @@ def test_rotate_half_kernel_equals_transformers_rotary_embedding_for_q_and_k_in_
 # --- the ops ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("use_triton", [False, True])
-def test_fused_ops_pass_opcheck(use_triton, monkeypatch):
+def test_fused_ops_pass_opcheck(use_triton, device, monkeypatch):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
     if use_triton:
         monkeypatch.setenv("FULLCG_FUSED_TRITON_ON_CPU", "1")
-    x = torch.randn(2, 3, 32)
-    torch.library.opcheck(fused.rms_norm, (x, torch.randn(32), 1e-5, 1.0, False))
-    torch.library.opcheck(fused.rms_norm, (x.bfloat16(), torch.randn(32), 1e-5))  # out: float32 (promoted)
-    gate_up = torch.randn(4, 64)
+    x = torch.randn(2, 3, 32, device=device)
+    torch.library.opcheck(fused.rms_norm, (x, torch.randn(32, device=device), 1e-5, 1.0, False))
+    torch.library.opcheck(fused.rms_norm, (x.bfloat16(), torch.randn(32, device=device), 1e-5))  # out: float32
+    gate_up = torch.randn(4, 64, device=device)
     torch.library.opcheck(fused.silu_mul, (gate_up[:, :32], gate_up[:, 32:]))
-    torch.library.opcheck(fused.rotate_half, _rotary_inputs(torch.float32))
+    torch.library.opcheck(fused.rotate_half, _rotary_inputs(torch.float32, device=device))
 
 
 def test_rms_norm_op_returns_the_promoted_dtype_in_llamas_order_and_the_inputs_in_gemmas(triton_on_cpu):
@@ -488,3 +493,33 @@ def test_the_attention_probe_leaves_the_layers_cache_untouched():
     assert [layer.self_attn.fullcg_attention.kv_cache for layer in model.model.layers] == caches
     assert all(bool((c.k == 7.0).all()) and bool((c.v == 7.0).all()) for c in caches)
     assert all(layer.self_attn.fullcg_fused_rotary for layer in model.model.layers)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prepared_model_on_the_gpu_runs_the_kernels_and_equals_the_unfused_model_every_step(dtype):
+    from fullcg.engine import BatchScheduler
+    from test_transformers import PROMPTS
+
+    ref = hf_models.build("llama").to(device="cuda", dtype=dtype)
+    fused_model, plain_model = copy.deepcopy(ref), copy.deepcopy(ref)
+    fused_step = hf_models.fhf.prepare(fused_model, num_pages=64, page_size=4)
+    plain_step = hf_models.fhf.prepare(plain_model, num_pages=64, page_size=4, fused_ops=False)
+    sched = BatchScheduler(PROMPTS, 3, num_pages=64, page_size=4, max_num_tokens=8, device=torch.device("cuda"))
+    worst, first = 0.0, True
+    while (step := sched.next_step()) is not None:
+        counter = _OpCounter()
+        with torch.inference_mode():
+            with fullcg.forward_context(step.metadata, fused_step), counter:
+                got = fused_step(step.input_ids, step.positions)
+            with fullcg.forward_context(step.metadata, plain_step):
+                want = plain_step(step.input_ids, step.positions)
+        if first:  # the Triton kernels ran, one launch each per module
+            layers = fused_model.config.num_hidden_layers
+            assert counter.counts.get("fullcg.rms_norm") == 2 * layers + 1
+            assert counter.counts.get("fullcg.rotate_half") == layers == counter.counts.get("fullcg.silu_mul")
+            first = False
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+        sched.advance(step, [int(want[r].argmax()) if r is not None else None for r in step.sample_rows])
+    assert worst < (1e-4 if dtype == torch.float32 else 0.1)
