@@ -22,37 +22,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 
 import torch
+from decode_sweep import time_us  # CUDA-graph bursts, median GPU microseconds per call
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
-
-
-def time_us(fn, target_ms: float = 2.0, repeats: int = 7) -> float:
-    """Median GPU microseconds per call over replays of one CUDA graph of back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    calls = max(1, min(200, int(target_ms / max(start.elapsed_time(end), 1e-3))))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:
