@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -183,6 +184,9 @@ def _mlp_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ATTENTION_CHILD = "fullcg_attention"  # fhf.prepare's name for a module's fullcg.Attention (transformers._CHILD)
 _ATTN_IMPLEMENTATION = "fullcg"  # transformers.ATTN_IMPLEMENTATION: the switched forward is fullcg's attention
+# Probes override transformers' process-wide attention registry for a moment; two probing
+# threads would each restore the other's override.
+_REGISTRY_LOCK = threading.Lock()
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -277,8 +281,6 @@ def _attention_matches(module: nn.Module) -> bool:
         cos = torch.cat([angles.cos()] * 2, dim=-1)[None].to(device=ref.device, dtype=ref.dtype)
         sin = torch.cat([angles.sin()] * 2, dim=-1)[None].to(device=ref.device, dtype=ref.dtype)
         pages = -(-tokens // cache.page_size)
-        overridden = _ATTN_IMPLEMENTATION in ALL_ATTENTION_FUNCTIONS._local_mapping
-        previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(_ATTN_IMPLEMENTATION)
         matches = True
         try:
             # A scratch cache of the probe's pages: the layer's own may already hold requests.
@@ -293,15 +295,18 @@ def _attention_matches(module: nn.Module) -> bool:
             # registry, overridden for these calls only).
             for scale in (1.0, 1000.0):
                 calls.clear()
-                ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION] = recording
-                try:
-                    with forward_context(md, module, config=config):
-                        out = type(module).forward(module, x * scale, (cos, sin), None)
-                finally:
-                    if overridden:
-                        ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION] = previous
-                    else:
-                        del ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION]
+                with _REGISTRY_LOCK:
+                    overridden = _ATTN_IMPLEMENTATION in ALL_ATTENTION_FUNCTIONS._local_mapping
+                    previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(_ATTN_IMPLEMENTATION)
+                    ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION] = recording
+                    try:
+                        with forward_context(md, module, config=config):
+                            out = type(module).forward(module, x * scale, (cos, sin), None)
+                    finally:
+                        if overridden:
+                            ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION] = previous
+                        else:
+                            del ALL_ATTENTION_FUNCTIONS[_ATTN_IMPLEMENTATION]
                 if len(calls) != 1 or not all(_plain_value(v) for v in calls[0].values()):
                     matches = False  # attention called twice, or given tensors of its own (sink logits)
                     break
