@@ -222,7 +222,8 @@ def step_replay_ms(model, config: fullcg.FullCGConfig, context: int, device: tor
 
 
 def fullcg_config(device: torch.device, args: argparse.Namespace) -> fullcg.FullCGConfig:
-    given = {k: v for k, v in {"graph_mode": args.graph_mode, "attention_impl": args.attention_impl}.items() if v}
+    given = {k: v for k, v in {"graph_mode": args.graph_mode, "attention_impl": args.attention_impl,
+                               "compiler": args.compiler}.items() if v}
     if args.smoke:
         given.setdefault("compiler", "eager")  # --smoke checks plumbing; Inductor would only add minutes
     config = fullcg.FullCGConfig.from_env(**given)
@@ -259,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     parser.add_argument("--graph-mode", default=None, help="fullcg graph mode (default: full_and_piecewise)")
     parser.add_argument("--attention-impl", default=None, help="fullcg attention implementation (default: auto)")
+    parser.add_argument("--compiler", default=None, help="fullcg compiler: inductor (default), eager or none")
+    parser.add_argument("--no-fused-ops", action="store_true",
+                        help="prepare without fused_ops (transformers' own norm, activation and rotary kernels "
+                             "on eager steps; matters with --compiler none)")
     parser.add_argument("--max-num-tokens", type=int, default=2048, help="fullcg per-step token budget")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="fullcg requests in flight at once")
     parser.add_argument("--seed", type=int, default=0)
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prepared = True
             need = sum(-(-(len(p) + n) // PAGE_SIZE) for prompts, news in loads.values() for p, n in zip(prompts, news))
-            fhf.prepare(model, num_pages=need, page_size=PAGE_SIZE)
+            fhf.prepare(model, num_pages=need, page_size=PAGE_SIZE, fused_ops=not args.no_fused_ops)
         for name, (prompts, new) in loads.items():
             if engine == "hf":
                 fn = lambda: run_hf(model, prompts, new, static=False)  # noqa: E731
@@ -350,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 row["graph_mode_counts"] = dict(fullcg.graph_mode_counts())
                 row["fullcg_config"] = {"graph_mode": config.graph_mode, "attention_impl": config.attention_impl,
-                                        "compiler": config.compiler, "max_num_tokens": args.max_num_tokens,
+                                        "compiler": config.compiler, "fused_ops": not args.no_fused_ops,
+                                        "max_num_tokens": args.max_num_tokens,
                                         "max_num_seqs": args.max_num_seqs}
             results.append(row)
             write()
