@@ -21,8 +21,13 @@ for minutes. This module knows which kernels a config needs and builds them firs
   ``<fullcg cache>/kernels/triton`` (:func:`kernel_dir`), whatever Triton cache directory
   Inductor has set, with a manifest of what was built for which GPU, Triton and kernel
   source: a later process loads them from there (milliseconds) and logs nothing;
+- :func:`fused_kernels` lists the fused element-wise kernels (``fullcg.ops.fused``: RMSNorm,
+  SiLU-and-multiply, rotary embedding) a model's modules launch on eager steps, which a
+  model captured without a compiler replays; they are built the same way, each launched
+  on stand-in rows of the model's widths;
 - :func:`before_capture` runs the two for a model before its first capture; the step
-  runner and capture without a compiler call it, once per process and kernel set.
+  runner and capture without a compiler (which adds the fused kernels) call it, once per
+  process and kernel set.
 
 ``python -m fullcg build-kernels`` does the same at deploy time (README, "Deploying").
 
@@ -65,7 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayerShape", "Kernel", "BuildResult", "KernelBuildError", "layer_shapes", "plan_kernels", "plan_for",
-    "build_kernels", "before_capture", "kernel_dir",
+    "build_kernels", "before_capture", "kernel_dir", "fused_kernels",
 ]
 
 logger = logging.getLogger(__name__)
@@ -232,6 +237,36 @@ def plan_kernels(
         kernels = {"triton": planner.triton, "flashinfer": planner.flashinfer, "auto": planner.auto}.get(impl)
         for kernel in (kernels(shape) if kernels is not None else ()):
             found.setdefault(kernel)
+    return tuple(found)
+
+
+#: The fused element-wise kernels' roles (``fullcg.ops.fused``); their args: (dtype, widths...).
+_FUSED_ROLES = ("rms_norm", "silu_mul", "rotate_half")
+
+
+def fused_kernels(model: torch.nn.Module) -> tuple[Kernel, ...]:
+    """The fused element-wise kernels ``model``'s modules launch on eager steps, each once, in
+    module order: fullcg's own Llama norms and MLPs, and the transformers modules
+    ``fullcg.integrations.transformers.prepare`` switched to the fused ops. Only the float
+    dtypes the kernels take; a module of another kind launches none."""
+    from fullcg.integrations import eager_kernels
+    from fullcg.models import llama
+
+    found: dict[Kernel, None] = {}
+
+    def add(role: str, dtype: torch.dtype, *args: Any) -> None:
+        if dtype in (torch.float16, torch.bfloat16, torch.float32):
+            dt = _dtype_name(dtype)
+            widths = f"{args[1]} query heads of {2 * args[0]}" if role == "rotate_half" else f"{args[0]} columns"
+            found.setdefault(Kernel("triton", role, (dt, *args), f"Triton fused {role} ({dt}, {widths})"))
+
+    for module in model.modules():
+        if isinstance(module, llama.RMSNorm):
+            add("rms_norm", module.weight.dtype, module.weight.shape[-1], False)
+        elif isinstance(module, llama.LlamaMLP):
+            add("silu_mul", module.down_proj.weight.dtype, module.down_proj.weight.shape[-1])
+        for role, dtype, *args in eager_kernels.fused_kernel_specs(module):
+            add(role, dtype, *args)
     return tuple(found)
 
 
@@ -715,16 +750,20 @@ def _build_triton(kernels: Sequence[Kernel], todo: set[Kernel], device: torch.de
     # as the widest any of them is planned with (only unsplit skip-softmax decode has one).
     tables: dict[tuple[str, LayerShape | None], int] = {}
     for kernel in kernels:
-        key = (_ROLES[kernel.what][0], kernel.shape)
-        tables[key] = max(tables.get(key, 1), _table_pages(kernel))
+        if kernel.what in _ROLES:
+            key = (_ROLES[kernel.what][0], kernel.shape)
+            tables[key] = max(tables.get(key, 1), _table_pages(kernel))
     with _triton_cache_in(directory), torch.cuda.device(device):
         for kernel in kernels:
             try:
-                probe, part = _ROLES[kernel.what]
-                key = (probe, kernel.shape)
-                if key not in probes:
-                    probes[key] = _probe(probe, kernel.shape, device, config, tables[key])
-                launches = [(launch, leading) for p, launch, leading in probes[key] if p == part]
+                if kernel.what in _FUSED_ROLES:
+                    launches = [(_fused_launch(kernel, device), ())]
+                else:
+                    probe, part = _ROLES[kernel.what]
+                    key = (probe, kernel.shape)
+                    if key not in probes:
+                        probes[key] = _probe(probe, kernel.shape, device, config, tables[key])
+                    launches = [(launch, leading) for p, launch, leading in probes[key] if p == part]
                 if not launches:
                     raise RuntimeError(f"the {probe} stand-in step planned no {part} launch")
                 compiled = [_compile(launch, leading) for launch, leading in launches]
@@ -732,6 +771,30 @@ def _build_triton(kernels: Sequence[Kernel], todo: set[Kernel], device: torch.de
                     manifest.record(kernel, compiled)
             except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
                 failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
+
+
+def _fused_launch(kernel: Kernel, device: torch.device) -> Any:
+    """A fused kernel's launch on two stand-in rows laid out as the modules' steps lay them
+    out: rows of a norm's width, the gate and up halves of one product, q, k and v heads of
+    one product. Triton specialises on the dtypes, the constexprs and which integers are 1 or
+    multiples of 16, which the real rows share at widths that are multiples of 16."""
+    from fullcg.ops.kernels import fused as kernels
+
+    dtype = getattr(torch, kernel.args[0])
+    empty = functools.partial(torch.empty, dtype=dtype, device=device)
+    if kernel.what == "rms_norm":
+        cols, cast_before_weight = kernel.args[1:]
+        x = empty(2, cols)
+        return kernels.rms_norm_launch(x, empty(cols), empty(2, cols), 1e-6, 0.0, cast_before_weight)
+    if kernel.what == "silu_mul":
+        cols = kernel.args[1]
+        gate, up = empty(2, 2 * cols).chunk(2, dim=-1)
+        return kernels.silu_mul_launch(gate, up, empty(2, cols))
+    half, q_heads = kernel.args[1:]
+    qkv = empty(2, q_heads + 2, 2 * half)
+    angles = empty(2, 2 * half)
+    return kernels.rotate_half_launch(qkv[:, :q_heads], qkv[:, q_heads:q_heads + 1], angles, angles,
+                                      empty(2, q_heads, 2 * half), empty(2, 1, 2 * half))
 
 
 def _table_pages(kernel: Kernel) -> int:
@@ -872,7 +935,8 @@ _env_lock = threading.RLock()
 
 def before_capture(ctx: ForwardContext, config: FullCGConfig, model: torch.nn.Module | None = None) -> None:
     """Build the kernels ``model``'s layers (default: the model ``ctx``'s KV caches were
-    collected from, else the caches alone) need under ``config``, before its first capture.
+    collected from, else the caches alone) need under ``config``, before its first capture,
+    and with ``compiler="none"`` the fused element-wise kernels its modules launch.
 
     Only on CUDA, once per process and device for each distinct set of kernels; a failure
     is a warning (the kernels are then built on first use, as without this), never an error.
@@ -888,6 +952,8 @@ def before_capture(ctx: ForwardContext, config: FullCGConfig, model: torch.nn.Mo
             model = model_of(caches)
         table_pages = config.max_pages_per_request or max(c.num_pages for c in caches.values())
         kernels = plan_for(layer_shapes(model if model is not None else caches, config), config, device, table_pages)
+        if config.compiler == "none" and model is not None:  # eager steps: the fused element-wise kernels too
+            kernels += fused_kernels(model)
         key = (device, kernels, config.cache_dir)
         with _done_lock:
             if key in _done:

@@ -417,6 +417,56 @@ def test_fullcgs_own_llama_runs_the_fused_ops_on_eager_steps():
     assert counts.get("fullcg.silu_mul") == layers
 
 
+# --- built ahead of the first capture --------------------------------------------------------
+
+
+def test_the_kernel_plan_lists_each_fused_kernel_a_model_launches_once_by_dtype_and_width():
+    from fullcg.kernel_build import fused_kernels
+    from fullcg.models.llama import LlamaConfig, LlamaModel
+
+    _, model, _ = hf_models.build_pair("llama")
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert {(k.what, k.args) for k in fused_kernels(model)} == {
+        ("rms_norm", ("float32", cfg.hidden_size, True)),  # Llama's rounding order
+        ("silu_mul", ("float32", cfg.intermediate_size)),
+        ("rotate_half", ("float32", head_dim // 2, cfg.num_attention_heads)),
+    }
+    unswitched = copy.deepcopy(hf_models.build("llama", 0))
+    fullcg.integrations.transformers.prepare(unswitched, num_pages=8, page_size=4, fused_ops=False)
+    assert fused_kernels(unswitched) == ()
+    own = LlamaModel(LlamaConfig.tiny(), dtype=torch.bfloat16)
+    assert {(k.what, k.args) for k in fused_kernels(own)} == {
+        ("rms_norm", ("bfloat16", own.cfg.hidden_size, False)),
+        ("silu_mul", ("bfloat16", own.cfg.intermediate_size)),
+    }
+    assert fused_kernels(own.double()) == (), "the kernels take float16, bfloat16 and float32 only"
+
+
+def _specialisation(launch) -> tuple:
+    """What Triton compiles a launch for: its kernel, constexprs and options, its tensors'
+    dtypes, and which of its integers are 1 or multiples of 16."""
+    args = tuple(a.dtype if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0) if type(a) is int else type(a)
+                 for a in launch.tail)
+    return launch.launcher.fn.fn.__name__, launch.constexprs, launch.num_warps, launch.num_stages, args
+
+
+def test_the_builds_stand_in_launches_specialise_as_a_prepared_models_steps_do(triton_on_cpu, monkeypatch):
+    from fullcg import kernel_build
+    from fullcg.ops.kernels.fused import FusedLaunch
+
+    _, model, step_module = hf_models.build_pair("llama")
+    launched: list = []
+    run = FusedLaunch.__call__
+    monkeypatch.setattr(FusedLaunch, "__call__", lambda self: (launched.append(self), run(self))[1])
+    _count_step(step_module, _first_step())
+    assert {launch.launcher.fn.fn.__name__ for launch in launched} == {
+        "_rms_norm_kernel", "_silu_mul_kernel", "_rotate_half_kernel"}
+    planned = {_specialisation(kernel_build._fused_launch(k, torch.device("cpu")))
+               for k in kernel_build.fused_kernels(model)}
+    assert {_specialisation(launch) for launch in launched} == planned
+
+
 def test_a_deep_copy_keeps_the_switch_and_a_pickled_model_comes_back_with_its_own_forward():
     import io
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-import expecttest
+import pytest
 import torch
 
 import fullcg
@@ -16,6 +16,8 @@ from fullcg.ops.attention import ATTENTION_OPS, ATTRIBUTE_NAMES
 MERGE_PREFIX_ATTRIBUTES = tuple(a.name for a in torch.ops.fullcg.merge_prefix_chunks.default._schema.arguments[3:])
 from fullcg.passes import AttributesPass, PassManager, SplitPointsPass, split_graph
 from fullcg.passes.attributes import node_attribute
+
+expecttest = pytest.importorskip("expecttest", reason="golden graphs compare with expecttest: pip install -e '.[test]'")
 
 
 def _dynamo_graph(chunked_prefix: bool) -> torch.fx.GraphModule:

@@ -33,7 +33,7 @@ from torch import nn
 
 from fullcg.ops import fused
 
-__all__ = ["use_fused_ops", "RMS_NORM_FORMS"]
+__all__ = ["use_fused_ops", "fused_kernel_specs", "RMS_NORM_FORMS"]
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +370,23 @@ def use_fused_ops(model: nn.Module) -> int:
             module.forward = types.MethodType(_mlp_forward, module)
             switched += 1
     return switched
+
+
+def fused_kernel_specs(module: nn.Module) -> list[tuple[Any, ...]]:
+    """The fused kernels ``module``'s switched forward launches on eager steps, as
+    ``(role, dtype, widths...)`` (``fullcg.kernel_build.fused_kernels`` builds them ahead);
+    none for a module that keeps its own forward."""
+    forward = vars(module).get("forward")
+    own = getattr(forward, "__func__", None)
+    if own is _rms_norm_forward:
+        weight = module.weight
+        return [("rms_norm", weight.dtype, weight.shape[-1], getattr(module, _NORM_FORM)[1])]
+    if own is _mlp_forward:
+        return [("silu_mul", module.up_proj.weight.dtype, module.up_proj.out_features)]
+    if own is _attention_forward:
+        return [("rotate_half", module.q_proj.weight.dtype, module.head_dim // 2,
+                 module.q_proj.out_features // module.head_dim)]
+    return []
 
 
 # Bound on an instance as its ``forward``: pickle reduces a bound method to

@@ -14,13 +14,16 @@ float32 and, rarely, by one unit in the last place of bfloat16.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from fullcg.ops.kernels.launch import Launcher
 
-__all__ = ["rms_norm_rows", "silu_mul_rows", "rotate_half_rows"]
+__all__ = ["FusedLaunch", "rms_norm_launch", "rms_norm_rows", "rotate_half_launch", "rotate_half_rows",
+           "silu_mul_launch", "silu_mul_rows"]
 
 
 @triton.jit
@@ -95,8 +98,35 @@ _SILU_MUL = Launcher(_silu_mul_kernel)
 _SILU_BLOCK = 1024
 
 
+class FusedLaunch(NamedTuple):
+    """One launch of a fused kernel, whole: what ``*_rows`` runs and what a build ahead
+    compiles (``fullcg.kernel_build``; the attribute names are :class:`PlannedLaunch`'s)."""
+
+    launcher: Launcher
+    grid: tuple[int, int, int]
+    tail: tuple[Any, ...]
+    constexprs: tuple[Any, ...]
+    num_warps: int
+    num_stages: int
+
+    def __call__(self) -> None:
+        self.launcher(self.grid, self.tail, self.constexprs, self.num_warps, self.num_stages)
+
+
 def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def rms_norm_launch(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, weight_offset: float,
+    cast_before_weight: bool,
+) -> FusedLaunch:
+    """The launch of :func:`rms_norm_rows` for these arguments."""
+    rows, cols = x.shape
+    block = triton.next_power_of_2(cols)
+    return FusedLaunch(_RMS_NORM, (rows, 1, 1),
+                       (x, weight, out, x.stride(0), out.stride(0), cols, float(eps), float(weight_offset)),
+                       (bool(cast_before_weight), block), _warps(block), 1)
 
 
 def rms_norm_rows(
@@ -105,30 +135,33 @@ def rms_norm_rows(
 ) -> None:
     """``out[r] = rms_norm(x[r]) * weight`` for every row of ``x [R, C]`` (rows may be strided,
     each row contiguous); ``out [R, C]`` likewise."""
-    rows, cols = x.shape
-    if rows == 0:
-        return
-    block = triton.next_power_of_2(cols)
-    _RMS_NORM(
-        (rows, 1, 1),
-        (x, weight, out, x.stride(0), out.stride(0), cols, float(eps), float(weight_offset)),
-        (bool(cast_before_weight), block),
-        _warps(block), 1,
-    )
+    if x.shape[0]:
+        rms_norm_launch(x, weight, out, eps, weight_offset, cast_before_weight)()
+
+
+def silu_mul_launch(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> FusedLaunch:
+    """The launch of :func:`silu_mul_rows` for these arguments."""
+    rows, cols = gate.shape
+    block = min(_SILU_BLOCK, triton.next_power_of_2(cols))
+    return FusedLaunch(_SILU_MUL, (rows, triton.cdiv(cols, block), 1),
+                       (gate, up, out, gate.stride(0), up.stride(0), out.stride(0), cols), (block,), 4, 1)
 
 
 def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
     """``out = silu(gate) * up`` over rows ``[R, C]`` (rows may be strided, each row contiguous)."""
-    rows, cols = gate.shape
-    if rows == 0:
-        return
-    block = min(_SILU_BLOCK, triton.next_power_of_2(cols))
-    _SILU_MUL(
-        (rows, triton.cdiv(cols, block), 1),
-        (gate, up, out, gate.stride(0), up.stride(0), out.stride(0), cols),
-        (block,),
-        4, 1,
-    )
+    if gate.shape[0]:
+        silu_mul_launch(gate, up, out)()
+
+
+def rotate_half_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_out: torch.Tensor, k_out: torch.Tensor) -> FusedLaunch:
+    """The launch of :func:`rotate_half_rows` for these arguments."""
+    tokens, q_heads, dim = q.shape
+    half = dim // 2
+    return FusedLaunch(_ROTATE_HALF, (tokens, q_heads + k.shape[1], 1),
+                       (q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                        cos.stride(0), sin.stride(0), q_heads),
+                       (half, triton.next_power_of_2(half)), 1 if half <= 64 else 2, 1)
 
 
 def rotate_half_rows(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -136,14 +169,5 @@ def rotate_half_rows(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     """``x * cos + rotate_half(x) * sin`` for ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (each head's
     ``D`` values contiguous) by ``cos``/``sin [T, D]`` (rows contiguous), into contiguous
     ``q_out`` and ``k_out``."""
-    tokens, q_heads, dim = q.shape
-    if tokens == 0:
-        return
-    half = dim // 2
-    _ROTATE_HALF(
-        (tokens, q_heads + k.shape[1], 1),
-        (q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-         sin.stride(0), q_heads),
-        (half, triton.next_power_of_2(half)),
-        1 if half <= 64 else 2, 1,
-    )
+    if q.shape[0]:
+        rotate_half_launch(q, k, cos, sin, q_out, k_out)()
