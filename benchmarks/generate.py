@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     parser.add_argument("--graph-mode", default=None, help="fullcg graph mode (default: full_and_piecewise)")
     parser.add_argument("--attention-impl", default=None, help="fullcg attention implementation (default: auto)")
-    parser.add_argument("--compiler", default=None, help="fullcg compiler: inductor (default), eager or none")
+    parser.add_argument("--compiler", default=None, choices=["inductor", "eager", "none"], help="fullcg compiler: inductor (default), eager or none")
     parser.add_argument("--no-fused-ops", action="store_true",
                         help="prepare without fused_ops (transformers' own norm, activation and rotary kernels "
                              "on eager steps; matters with --compiler none)")

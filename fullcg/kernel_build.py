@@ -25,11 +25,12 @@ for minutes. This module knows which kernels a config needs and builds them firs
   SiLU-and-multiply, rotary embedding) a model's modules launch on eager steps, which a
   model captured without a compiler replays; they are built the same way, each launched
   on stand-in rows of the model's widths;
-- :func:`before_capture` runs the two for a model before its first capture; the step
+- :func:`before_capture` plans and builds them for a model before its first capture; the step
   runner and capture without a compiler (which adds the fused kernels) call it, once per
   process and kernel set.
 
-``python -m fullcg build-kernels`` does the same at deploy time (README, "Deploying").
+``python -m fullcg build-kernels`` builds the attention kernels of layers described by flags at
+deploy time (README, "Deploying"); it knows no modules, so it lists no fused kernels.
 
 Not covered (built on first use, as before): kernels that depend on how a model calls its
 layers rather than on the layers, such as attention over given k/v in the chunked-prefix
@@ -489,7 +490,7 @@ def build_kernels(kernels: Sequence[Kernel], device: torch.device | str | int, c
             [f"{_triton_dir(directory)}"] if tr_todo else [])
         logger.log(
             logging.WARNING if fi_todo else logging.INFO,
-            "fullcg: building %d attention kernel(s)%s, once per machine (cached in %s)%s: %s",
+            "fullcg: building %d kernel(s)%s, once per machine (cached in %s)%s: %s",
             len(todo), when and f" {when}", " and ".join(where),
             "; each FlashInfer module takes a minute or more" if fi_todo else "",
             "; ".join(k.name for k in todo),
@@ -510,7 +511,7 @@ def build_kernels(kernels: Sequence[Kernel], device: torch.device | str | int, c
     if failures:
         raise KernelBuildError("building attention kernels ahead failed: " + "; ".join(failures))
     if todo:
-        logger.debug("fullcg: built %d attention kernel(s) in %.1f s", len(todo), seconds)
+        logger.debug("fullcg: built %d kernel(s) in %.1f s", len(todo), seconds)
     ready = tuple(k for k in flashinfer_kernels + triton_kernels if k not in set(todo))
     return BuildResult(tuple(todo), ready, seconds)
 

@@ -445,21 +445,28 @@ def test_the_kernel_plan_lists_each_fused_kernel_a_model_launches_once_by_dtype_
 
 def _specialisation(launch) -> tuple:
     """What Triton compiles a launch for: its kernel, constexprs and options, its tensors'
-    dtypes, and which of its integers are 1 or multiples of 16."""
-    args = tuple(a.dtype if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0) if type(a) is int else type(a)
-                 for a in launch.tail)
+    dtypes and 16-byte alignment, and which of its integers are 1 or multiples of 16."""
+    args = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else (a == 1, a % 16 == 0) if type(a) is int else type(a) for a in launch.tail)
     return launch.launcher.fn.fn.__name__, launch.constexprs, launch.num_warps, launch.num_stages, args
 
 
-def test_the_builds_stand_in_launches_specialise_as_a_prepared_models_steps_do(triton_on_cpu, monkeypatch):
+@pytest.mark.parametrize("fuse_projections", [True, False])
+def test_the_builds_stand_in_launches_specialise_as_a_prepared_models_steps_do(fuse_projections, triton_on_cpu,
+                                                                                monkeypatch):
     from fullcg import kernel_build
+    from fullcg.integrations import transformers as fhf
     from fullcg.ops.kernels.fused import FusedLaunch
 
-    _, model, step_module = hf_models.build_pair("llama")
+    model = copy.deepcopy(hf_models.build("llama", 0))
+    step_module = fhf.prepare(model, num_pages=16, page_size=4, fuse_projections=fuse_projections)
     launched: list = []
     run = FusedLaunch.__call__
     monkeypatch.setattr(FusedLaunch, "__call__", lambda self: (launched.append(self), run(self))[1])
-    _count_step(step_module, _first_step())
+    _count_step(step_module, _first_step())  # a prefill of 5 and 2 tokens
+    decode = fullcg.AttentionMetadata.build([1], [5], torch.tensor([[0, 1]], dtype=torch.int32), 4)
+    with torch.inference_mode(), fullcg.forward_context(decode, step_module):
+        step_module(torch.tensor([11]), torch.tensor([5]))  # one token: single rows of each product
     assert {launch.launcher.fn.fn.__name__ for launch in launched} == {
         "_rms_norm_kernel", "_silu_mul_kernel", "_rotate_half_kernel"}
     planned = {_specialisation(kernel_build._fused_launch(k, torch.device("cpu")))

@@ -186,7 +186,7 @@ _ATTENTION_CHILD = "fullcg_attention"  # fhf.prepare's name for a module's fullc
 _ATTN_IMPLEMENTATION = "fullcg"  # transformers.ATTN_IMPLEMENTATION: the switched forward is fullcg's attention
 # Probes override transformers' process-wide attention registry for a moment; two probing
 # threads would each restore the other's override.
-_REGISTRY_LOCK = threading.Lock()
+_REGISTRY_LOCK = threading.RLock()
 
 
 def _is_attention(module: nn.Module) -> bool:
