@@ -252,11 +252,12 @@ def fused_kernels(model: torch.nn.Module) -> tuple[Kernel, ...]:
     dtypes the kernels take; a module of another kind launches none."""
     from fullcg.integrations import eager_kernels
     from fullcg.models import llama
+    from fullcg.ops.fused import KERNEL_DTYPES
 
     found: dict[Kernel, None] = {}
 
     def add(role: str, dtype: torch.dtype, *args: Any) -> None:
-        if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        if dtype in KERNEL_DTYPES:
             dt = _dtype_name(dtype)
             widths = f"{args[1]} query heads of {2 * args[0]}" if role == "rotate_half" else f"{args[0]} columns"
             found.setdefault(Kernel("triton", role, (dt, *args), f"Triton fused {role} ({dt}, {widths})"))

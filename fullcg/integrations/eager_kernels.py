@@ -329,6 +329,13 @@ def _plain_value(value: Any) -> bool:
     return value is None or type(value) in (bool, int, float, str)
 
 
+#: The modules switched on a probe alone, with a flag: (is one, probe, flag, forward, what it is not).
+_FLAGGED_KINDS = (
+    (_is_attention, _attention_matches, _FUSED_ROTARY, _attention_forward, "Llama's attention"),
+    (_is_mlp, _mlp_matches, _FUSED_MLP, _mlp_forward, "down(silu(gate) * up)"),
+)
+
+
 def use_fused_ops(model: nn.Module) -> int:
     """Give ``model``'s RMSNorm, SwiGLU MLP and Llama-style attention modules forwards that run
     fullcg's fused ops on eager steps (see the module doc); returns how many modules were
@@ -353,22 +360,18 @@ def use_fused_ops(model: nn.Module) -> int:
                 logger.debug("fullcg: %s keeps its forward: no fused RMSNorm form matches it", type(module).__name__)
                 continue
             setattr(module, _NORM_FORM, (*form, eps_name))  # the epsilon is read per call, as the module does
-            module.forward = types.MethodType(_rms_norm_forward, module)
-            switched += 1
-        elif _is_attention(module):
-            if not _attention_matches(module):
-                logger.debug("fullcg: %s keeps its forward: it is not Llama's attention", type(module).__name__)
+            forward = _rms_norm_forward
+        else:
+            kind = next((kind for kind in _FLAGGED_KINDS if kind[0](module)), None)
+            if kind is None:
                 continue
-            setattr(module, _FUSED_ROTARY, True)
-            module.forward = types.MethodType(_attention_forward, module)
-            switched += 1
-        elif _is_mlp(module):
-            if not _mlp_matches(module):
-                logger.debug("fullcg: %s keeps its forward: it is not down(silu(gate) * up)", type(module).__name__)
+            _, matches, flag, forward, unlike = kind
+            if not matches(module):
+                logger.debug("fullcg: %s keeps its forward: it is not %s", type(module).__name__, unlike)
                 continue
-            setattr(module, _FUSED_MLP, True)
-            module.forward = types.MethodType(_mlp_forward, module)
-            switched += 1
+            setattr(module, flag, True)
+        module.forward = types.MethodType(forward, module)
+        switched += 1
     return switched
 
 

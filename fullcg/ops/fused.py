@@ -76,14 +76,15 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: The dtypes the Triton kernels take (others run the reference).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernel takes ``x``: half, bfloat16 or float32 values, at least one,
     on the current CUDA device (the kernels launch there); on the CPU only under Triton's
     interpreter when a test asks (``FULLCG_FUSED_TRITON_ON_CPU=1``)."""
-    if x.dtype not in _KERNEL_DTYPES or x.numel() == 0:
+    if x.dtype not in KERNEL_DTYPES or x.numel() == 0:
         return False
     if x.is_cuda:
         return _triton_available() and x.device.index == torch.cuda.current_device()
@@ -112,7 +113,7 @@ def _rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_o
                          f"dimension of x {tuple(x.shape)}; it needs {want}")
     if weight.device != x.device:
         raise ValueError(f"fullcg::rms_norm: x is on {x.device} and weight on {weight.device}; move them to one device")
-    rows = _rows(x) if _use_triton(x) and weight.dtype in _KERNEL_DTYPES and weight.is_contiguous() else None
+    rows = _rows(x) if _use_triton(x) and weight.dtype in KERNEL_DTYPES and weight.is_contiguous() else None
     if rows is None:
         return reference_rms_norm(x, weight, eps, weight_offset, cast_before_weight)
     from fullcg.ops.kernels.fused import rms_norm_rows
