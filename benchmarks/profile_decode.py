@@ -27,10 +27,9 @@ rows they touch); the other kernels' bytes (rotary, split-K reductions, fills) a
 estimated ("-") and the total leaves them out. When the launches do not fit the pattern
 (another GEMM count, replays that differ), the table shows times only, with a warning.
 
-``--unfuse-residual-addmm`` turns off Inductor's mm + add -> addmm fusion for the run (its
-``should_prefer_unfused_addmm`` check answers yes): the residual add then goes to the
-RMSNorm kernel that reads the sum, instead of into the o_proj and down GEMMs as ``addmm``
-(which copies the residual into the GEMM's output first). For an A/B against the default.
+``--keep-residual-addmm`` measures the step with Inductor's mm + add -> addmm fusion of the
+residual add into the o_proj and down GEMMs, which fullcg undoes by default
+(``fullcg/passes/residual_addmm.py``): an A/B of that pass.
 """
 
 from __future__ import annotations
@@ -472,10 +471,10 @@ def profile_gpu(args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     dev = torch.device("cuda")
-    if args.unfuse_residual_addmm:
-        import torch._inductor.fx_passes.post_grad as post_grad
+    if args.keep_residual_addmm:
+        import fullcg.passes.residual_addmm as residual_addmm
 
-        post_grad.should_prefer_unfused_addmm = lambda match: True
+        residual_addmm.ENABLED = False
     bw = copy_bandwidth(dev)
     results: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "args": vars(args),
                      "copy_bandwidth_TBps": bw / 1e12, "points": []}
@@ -488,7 +487,10 @@ def profile_gpu(args: argparse.Namespace) -> dict:
     for layer in model.attention_layers():
         layer.kv_cache.k.normal_()
         layer.kv_cache.v.normal_()
-    config = fullcg.FullCGConfig(attention_impl=args.impl, graph_mode="full", capture_sizes=tuple(args.batch))
+    # The switch is not in the compile cache's or the warm starts' keys: the A/B compiles afresh.
+    caches = {"compile_cache": False, "warm_start": False} if args.keep_residual_addmm else {}
+    config = fullcg.FullCGConfig(attention_impl=args.impl, graph_mode="full", capture_sizes=tuple(args.batch),
+                                 **caches)
     backend = fullcg.Backend(config)
     compiled = torch.compile(model, backend=backend)
     with torch.inference_mode():
@@ -532,8 +534,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top", type=int, default=0, help="print only the slowest rows (0: all)")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model's shapes and a synthetic replay")
-    ap.add_argument("--unfuse-residual-addmm", action="store_true",
-                    help="turn off Inductor's mm + add -> addmm fusion (an A/B of the residual add)")
+    ap.add_argument("--keep-residual-addmm", action="store_true",
+                    help="keep Inductor's fusion of the residual add into the GEMM before it (an A/B of fullcg's split)")
     args = ap.parse_args(argv)
     results = smoke(args) if args.smoke else profile_gpu(args)
     if args.out:

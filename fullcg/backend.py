@@ -140,6 +140,8 @@ def _error_line(exc: BaseException) -> str:
 def _inductor_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PieceCall:
     from torch._inductor.compile_fx import compile_fx
 
+    from fullcg.passes.residual_addmm import residual_addmm_split
+
     # Inductor wants graphs that return a tuple; a piece that returns one value is
     # compiled returning (value,) and unwrapped at call time.
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -151,7 +153,9 @@ def _inductor_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequenc
         gm.recompile()
     # compile_fx called like this returns a plain (unboxed) callable, whatever its
     # copied-over `_boxed_call` attribute says.
-    return PieceCall(name, compile_fx(gm, list(example_inputs)), unwrap_single=single)
+    with residual_addmm_split():
+        compiled = compile_fx(gm, list(example_inputs))
+    return PieceCall(name, compiled, unwrap_single=single)
 
 
 def _eager_split_point(gm: torch.fx.GraphModule) -> Callable[..., Any]:

@@ -1,0 +1,113 @@
+"""A residual add stays out of the matmul before it: Inductor's ``mm + add -> addmm`` undone.
+
+A decoder layer ends its attention and its MLP with ``h = residual + x @ W``. Inductor's
+post-grad patterns fold that add into the matmul (``addmm(residual, x, W)``) whenever the
+sum leaves the compiled graph or feeds something that is not element-wise, which is
+exactly a decoder's case: the sum is the next layer's residual and the next norm's input.
+On a skinny decode matmul that fusion costs more than it saves: cuBLAS first copies the
+residual into the output (one ``memcpy`` launch per matmul), and a GEMM with ``beta=1``
+takes the split-K variants that end in a separate reduction kernel. Unfused, the matmul
+is a plain ``mm`` and the add joins the next RMSNorm's kernel, which reads the residual
+anyway. Numerically the unfused form is the eager model's: the matmul's output rounded to
+the activation dtype, then the add.
+
+The rewrite runs as Inductor's ``post_grad_custom_post_pass`` (after its pattern passes,
+so nothing folds the add back in): an ``addmm`` with ``alpha = beta = 1`` whose addend has
+the output's shape and dtype becomes ``add(mm(a, b), addend)``. A bias, broadcast over the
+rows, keeps its ``addmm``. A pass the user set in Inductor's config still runs, after this
+one.
+
+``benchmarks/profile_decode.py --keep-residual-addmm`` measures a decode step without this
+pass by setting :data:`ENABLED` to False (Inductor's cache key includes the switch; fullcg's
+compile cache and warm starts do not, so that run turns them off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["ENABLED", "ResidualAddmmSplit", "split_residual_addmm", "residual_addmm_split"]
+
+#: Whether compiles split residual ``addmm`` nodes (benchmarks turn it off to compare).
+ENABLED = True
+
+_aten = torch.ops.aten
+_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _tensor(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def split_residual_addmm(graph: torch.fx.Graph) -> int:
+    """Rewrite each residual ``addmm(c, a, b)`` in ``graph`` to ``add(mm(a, b), c)``;
+    the number rewritten."""
+    count = 0
+    for node in list(graph.find_nodes(op="call_function", target=_aten.addmm.default)):
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 3:
+            continue
+        addend, a, b = node.args
+        out, c = _tensor(node), _tensor(addend)
+        if out is None or c is None or c.shape != out.shape or c.dtype != out.dtype:
+            continue
+        with graph.inserting_before(node):
+            mm = graph.call_function(_aten.mm.default, (a, b))
+            mm.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            mm.meta["val"] = _aten.mm.default(_tensor(a), _tensor(b))
+            add = graph.call_function(_aten.add.Tensor, (mm, addend))
+            add.meta.update(node.meta)
+        node.replace_all_uses_with(add)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _custom_pass_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+class ResidualAddmmSplit(_custom_pass_base()):  # type: ignore[misc]
+    """:func:`split_residual_addmm` as an Inductor custom post-grad pass, followed by
+    ``then`` (the pass the user had configured, if any)."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if ENABLED:
+            split_residual_addmm(graph)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self) -> Any:
+        then = None
+        if self.then is not None:
+            # Without a uuid Inductor cannot key a graph on the user's pass: no caching.
+            then = self.then.uuid() if hasattr(self.then, "uuid") else None
+            if then is None:
+                return None
+        return (_SOURCE_HASH, ENABLED, then)
+
+
+@contextlib.contextmanager
+def residual_addmm_split() -> Iterator[None]:
+    """Inductor compiles inside this context run :class:`ResidualAddmmSplit` after their
+    pattern passes (and then whatever post pass was configured before)."""
+    import torch._inductor.config as inductor_config
+
+    current = inductor_config.post_grad_custom_post_pass
+    if isinstance(current, ResidualAddmmSplit):
+        yield
+        return
+    with inductor_config.patch(post_grad_custom_post_pass=ResidualAddmmSplit(current)):
+        yield

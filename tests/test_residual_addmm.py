@@ -1,0 +1,99 @@
+"""fullcg's compiles keep a residual add out of the matmul before it (Inductor folds it in
+as ``addmm``, which on a decode GEMM costs a copy of the residual and a split-K reduction);
+a bias keeps its ``addmm``, and a post-grad pass the user configured still runs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import fullcg.passes.residual_addmm as residual_addmm
+from fullcg.backend import _inductor_piece
+
+
+class ResidualBlock(torch.nn.Module):
+    """``residual + o(x)`` (the add Inductor folds) and ``b(x)`` with a bias (an addmm of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.o = torch.nn.Linear(64, 32, bias=False)
+        self.b = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = residual + self.o(x)
+        return h * 2, self.b(x)
+
+
+def _matmul_calls(codes: list[str]) -> list[str]:
+    return re.findall(r"extern_kernels\.(addmm|mm)\(", "\n".join(codes))
+
+
+def _compiled(module: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], list[str]]:
+    torch._dynamo.reset()
+    gm = torch.fx.symbolic_trace(module)
+    with torch.no_grad():
+        return run_and_get_code(lambda: _inductor_piece("piece", gm, inputs)(*inputs))
+
+
+def _inputs(dtype: torch.dtype) -> tuple[ResidualBlock, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    block = ResidualBlock().to(dtype)
+    return block, [torch.randn(8, 64, dtype=dtype), torch.randn(8, 32, dtype=dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_residual_add_leaves_the_matmul_and_the_bias_keeps_its_addmm(dtype: torch.dtype) -> None:
+    block, inputs = _inputs(dtype)
+    (h2, biased), codes = _compiled(block, inputs)
+    assert sorted(_matmul_calls(codes)) == ["addmm", "mm"]
+    with torch.no_grad():
+        # Unfused, the compiled sum is the eager model's: the matmul rounded, then the add.
+        assert torch.equal(h2, (inputs[1] + block.o(inputs[0])) * 2)
+        torch.testing.assert_close(biased, block.b(inputs[0]))
+
+
+def test_with_the_split_off_inductor_folds_the_residual_add_into_an_addmm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the split undoes: the A/B switch the decode profile uses.
+    monkeypatch.setattr(residual_addmm, "ENABLED", False)
+    block, inputs = _inputs(torch.float32)
+    _, codes = _compiled(block, inputs)
+    assert _matmul_calls(codes) == ["addmm", "addmm"]
+
+
+def test_a_post_grad_pass_the_user_configured_runs_after_the_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._inductor.config as inductor_config
+
+    seen: list[list[str]] = []
+
+    class UserPass(residual_addmm._custom_pass_base()):  # type: ignore[misc]
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            seen.append(sorted(str(n.target) for n in graph.nodes if "mm" in str(n.target)))
+
+        def uuid(self) -> str:
+            return "user-pass"
+
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", UserPass())
+    block, inputs = _inputs(torch.float32)
+    _, codes = _compiled(block, inputs)
+    assert seen == [["aten.addmm.default", "aten.mm.default"]]
+    assert sorted(_matmul_calls(codes)) == ["addmm", "mm"]
+    assert inductor_config.post_grad_custom_post_pass.uuid() == "user-pass"
+
+
+def test_the_split_pass_keys_inductors_cache_on_its_source_the_switch_and_the_users_pass() -> None:
+    class Keyless:
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            pass
+
+    alone = residual_addmm.ResidualAddmmSplit()
+    assert alone.uuid() == residual_addmm.ResidualAddmmSplit().uuid()
+    assert residual_addmm.ResidualAddmmSplit(Keyless()).uuid() is None  # no key: Inductor does not cache
+    enabled = alone.uuid()
+    residual_addmm.ENABLED = False
+    try:
+        assert residual_addmm.ResidualAddmmSplit().uuid() != enabled
+    finally:
+        residual_addmm.ENABLED = True
