@@ -30,11 +30,14 @@ estimated ("-") and the total leaves them out. When the launches do not fit the 
 ``--keep-residual-addmm`` measures the step with Inductor's mm + add -> addmm fusion of the
 residual add into the o_proj and down GEMMs, which fullcg undoes by default
 (``fullcg/passes/residual_addmm.py``): an A/B of that pass.
+``--inductor NAME=VALUE ...`` sets Inductor options for the run (``combo_kernels=True``), an
+A/B of a setting; both flags compile without fullcg's caches.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import dataclasses
 import json
@@ -475,6 +478,14 @@ def profile_gpu(args: argparse.Namespace) -> dict:
         import fullcg.passes.residual_addmm as residual_addmm
 
         residual_addmm.ENABLED = False
+    if args.inductor:
+        import torch._inductor.config as inductor_config
+
+        for setting in args.inductor:
+            name, _, value = setting.partition("=")
+            if not hasattr(inductor_config, name):
+                raise SystemExit(f"--inductor {setting}: Inductor has no setting {name!r}")
+            setattr(inductor_config, name, ast.literal_eval(value))
     bw = copy_bandwidth(dev)
     results: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "args": vars(args),
                      "copy_bandwidth_TBps": bw / 1e12, "points": []}
@@ -487,8 +498,8 @@ def profile_gpu(args: argparse.Namespace) -> dict:
     for layer in model.attention_layers():
         layer.kv_cache.k.normal_()
         layer.kv_cache.v.normal_()
-    # The switch is not in the compile cache's or the warm starts' keys: the A/B compiles afresh.
-    caches = {"compile_cache": False, "warm_start": False} if args.keep_residual_addmm else {}
+    # The switches are not in the compile cache's or the warm starts' keys: an A/B compiles afresh.
+    caches = {"compile_cache": False, "warm_start": False} if args.keep_residual_addmm or args.inductor else {}
     config = fullcg.FullCGConfig(attention_impl=args.impl, graph_mode="full", capture_sizes=tuple(args.batch),
                                  **caches)
     backend = fullcg.Backend(config)
@@ -534,6 +545,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top", type=int, default=0, help="print only the slowest rows (0: all)")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model's shapes and a synthetic replay")
+    ap.add_argument("--inductor", nargs="+", metavar="NAME=VALUE", default=[],
+                    help="Inductor settings for the run, as Python literals (combo_kernels=True): an A/B")
     ap.add_argument("--keep-residual-addmm", action="store_true",
                     help="keep Inductor's fusion of the residual add into the GEMM before it (an A/B of fullcg's split)")
     args = ap.parse_args(argv)
