@@ -77,10 +77,13 @@ def kernel_role(name: str) -> str:
         # Inductor's kernels are named by the ops fused into them ("triton_red_fused_add_mean_..._3");
         # an op name can look like a role ("attention" in the rotary kernels), so the op list decides.
         ops = set(re.split(r"_+", low))
-        if low.startswith("triton_tem_") or ops & {"mm", "addmm", "bmm"}:
+        if low.startswith("triton_tem_"):
             return "gemm"
+        # Before the matmul test: a norm fused with the add of an (unfused) addmm names it.
         if {"rsqrt", "mean"} <= ops:
             return "rmsnorm"
+        if ops & {"mm", "addmm", "bmm"}:
+            return "gemm"
         if "silu" in ops:
             return "silu_mul"
         if {"cos", "sin"} <= ops:

@@ -121,9 +121,10 @@ def test_kernel_names_and_roles(bench):
     assert bench.short_name("Memset (Device)") == "Memset"
     roles = {name: bench.kernel_role(name) for name in [
         SHARED, REDUCE, "_decode_kernel", "_save_kv_kernel", "triton_poi_fused_attention_cat_cos_mul_sin_2",
-        "triton_tem_fused_mm_0", "void flashinfer::BatchDecodeWithPagedKVCacheKernel<128>(int)", "Memset (Device)"]}
+        "triton_tem_fused_mm_0", "void flashinfer::BatchDecodeWithPagedKVCacheKernel<128>(int)", "Memset (Device)",
+        "triton_red_fused__to_copy_add_addmm_mean_mul_pow_rsqrt_3", "triton_red_fused_mm_5"]}
     assert list(roles.values()) == ["gemm", "gemm_reduce", "attention", "kv_save", "rotary", "gemm", "attention",
-                                    "other"]
+                                    "other", "rmsnorm", "gemm"]
 
 
 def test_smoke_mode_tabulates_a_synthetic_replay_and_its_fallback(bench, capsys):

@@ -97,3 +97,19 @@ def test_the_split_pass_keys_inductors_cache_on_its_source_the_switch_and_the_us
         assert residual_addmm.ResidualAddmmSplit().uuid() != enabled
     finally:
         residual_addmm.ENABLED = True
+
+
+def test_the_split_nodes_name_their_own_ops_for_inductors_kernel_names() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    a, b, c = torch.randn(4, 8), torch.randn(8, 6), torch.randn(4, 6)
+    gm = make_fx(lambda c, a, b: torch.addmm(c, a, b), tracing_mode="fake")(c, a, b)
+    addmm = next(iter(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)))
+    addmm.meta["original_aten"] = torch.ops.aten.addmm.default
+    assert residual_addmm.split_residual_addmm(gm.graph) == 1
+    gm.recompile()
+    mm, add = (next(iter(gm.graph.find_nodes(op="call_function", target=t)))
+               for t in (torch.ops.aten.mm.default, torch.ops.aten.add.Tensor))
+    assert mm.meta["original_aten"] is torch.ops.aten.mm.default and mm.meta["val"].shape == (4, 6)
+    assert add.meta["original_aten"] is torch.ops.aten.add.Tensor
+    assert torch.equal(gm(c, a, b), c + a @ b)

@@ -60,10 +60,13 @@ def split_residual_addmm(graph: torch.fx.Graph) -> int:
             continue
         with graph.inserting_before(node):
             mm = graph.call_function(_aten.mm.default, (a, b))
-            mm.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            mm.meta["val"] = _aten.mm.default(_tensor(a), _tensor(b))
             add = graph.call_function(_aten.add.Tensor, (mm, addend))
-            add.meta.update(node.meta)
+        # Source positions carry over; each node names its own op, which is what Inductor
+        # names the kernels it fuses the node into after.
+        for new, op, val in ((mm, _aten.mm.default, _aten.mm.default(_tensor(a), _tensor(b))),
+                             (add, _aten.add.Tensor, node.meta["val"])):
+            new.meta.update(node.meta)
+            new.meta.update(val=val, original_aten=op)
         node.replace_all_uses_with(add)
         graph.erase_node(node)
         count += 1
