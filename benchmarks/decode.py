@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write all figures as JSON here")
     ap.add_argument("--peer-only", action="store_true", help="time only the peer (and the floor)")
     ap.add_argument("--no-peer", action="store_true", help="skip the peer (it compiles for minutes)")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager model (its first steps JIT-build kernels)")
+    ap.add_argument("--no-mixed", action="store_true", help="skip the mixed and prefill steps (decode steps only)")
     ap.add_argument("--modes", nargs="+", default=["piecewise", "full", "default"],
                     help="fullcg graph modes to time ('default' is the default policy)")
     args = ap.parse_args()
@@ -146,7 +148,7 @@ def main() -> None:
     base = fullcg.FullCGConfig(attention_impl=args.impl, capture_sizes=tuple(args.capture_sizes))
     points = [(b, c) for c in args.contexts for b in args.batches]
     # Non-decode steps at several token counts: where a full graph stops paying over pieces.
-    mixed_steps = [
+    mixed_steps = [] if args.no_mixed else [
         ("mixed 1x32 extend + 31 decode", [32] + [1] * 31, [256] * 32),
         ("mixed 1x96 extend + 32 decode", [96] + [1] * 32, [256] * 33),
         ("mixed 1x224 extend + 32 decode", [224] + [1] * 32, [256] * 33),
@@ -187,9 +189,9 @@ def main() -> None:
         return run
 
     with torch.inference_mode():
-        for b, c in ([] if args.peer_only else points):
+        for b, c in ([] if args.peer_only or args.no_eager else points):
             table[(b, c)]["eager"] = time_ms(step_fn(model, b, c, base), args.repeats)
-        if not args.peer_only:
+        if not (args.peer_only or args.no_eager):
             print("eager: " + ", ".join(f"b{b}/ctx{c} {table[(b, c)]['eager']:.2f} ms" for b, c in points), flush=True)
             for name, lens, prefixes in mixed_steps:
                 md, ids, pos = mixed_inputs(lens, prefixes)
