@@ -63,7 +63,7 @@ def test_with_the_split_off_inductor_folds_the_residual_add_into_an_addmm(monkey
     assert _matmul_calls(codes) == ["addmm", "addmm"]
 
 
-def test_a_post_grad_pass_the_user_configured_runs_after_the_split(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_post_grad_pass_the_user_configured_runs_after_the_split() -> None:
     import torch._inductor.config as inductor_config
 
     seen: list[list[str]] = []
@@ -75,12 +75,52 @@ def test_a_post_grad_pass_the_user_configured_runs_after_the_split(monkeypatch: 
         def uuid(self) -> str:
             return "user-pass"
 
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", UserPass())
+    user = UserPass()
     block, inputs = _inputs(torch.float32)
-    _, codes = _compiled(block, inputs)
+    with inductor_config.patch(post_grad_custom_post_pass=user):
+        _, codes = _compiled(block, inputs)
+        assert inductor_config.post_grad_custom_post_pass is user, "the user's setting is back after the compile"
     assert seen == [["aten.addmm.default", "aten.mm.default"]]
     assert sorted(_matmul_calls(codes)) == ["addmm", "mm"]
-    assert inductor_config.post_grad_custom_post_pass.uuid() == "user-pass"
+
+
+def _takes_pass_lists() -> bool:
+    import torch._inductor.custom_graph_pass as custom_graph_pass
+
+    return hasattr(custom_graph_pass, "get_custom_graph_passes")
+
+
+@pytest.mark.skipif(not _takes_pass_lists(), reason="this torch's Inductor takes one post-grad pass, not a list")
+def test_a_list_of_user_passes_and_an_inference_aware_one_still_run() -> None:
+    import torch._inductor.config as inductor_config
+    import torch._inductor.custom_graph_pass as custom_graph_pass
+
+    calls: list[str] = []
+
+    class Plain(custom_graph_pass.CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            calls.append("plain")
+
+        def uuid(self) -> str:
+            return "plain"
+
+    passes: list = [Plain()]
+    aware_base = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+    if aware_base is not None:
+        class Aware(aware_base):  # type: ignore[misc, valid-type]
+            def __call__(self, graph: torch.fx.Graph, is_inference: bool) -> None:
+                calls.append(f"aware(is_inference={is_inference})")
+
+            def uuid(self) -> str:
+                return "aware"
+
+        passes.append(Aware())
+    block, inputs = _inputs(torch.float32)
+    with inductor_config.patch(post_grad_custom_post_pass=passes):
+        _, codes = _compiled(block, inputs)
+        assert inductor_config.post_grad_custom_post_pass == passes
+    assert sorted(_matmul_calls(codes)) == ["addmm", "mm"], "the split ran, and then the user's passes"
+    assert calls == ["plain"] + (["aware(is_inference=True)"] if aware_base is not None else [])
 
 
 def test_the_split_pass_keys_inductors_cache_on_its_source_the_switch_and_the_users_pass() -> None:
@@ -92,11 +132,9 @@ def test_the_split_pass_keys_inductors_cache_on_its_source_the_switch_and_the_us
     assert alone.uuid() == residual_addmm.ResidualAddmmSplit().uuid()
     assert residual_addmm.ResidualAddmmSplit(Keyless()).uuid() is None  # no key: Inductor does not cache
     enabled = alone.uuid()
-    residual_addmm.ENABLED = False
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(residual_addmm, "ENABLED", False)
         assert residual_addmm.ResidualAddmmSplit().uuid() != enabled
-    finally:
-        residual_addmm.ENABLED = True
 
 
 def test_the_split_nodes_name_their_own_ops_for_inductors_kernel_names() -> None:
@@ -113,3 +151,15 @@ def test_the_split_nodes_name_their_own_ops_for_inductors_kernel_names() -> None
     assert mm.meta["original_aten"] is torch.ops.aten.mm.default and mm.meta["val"].shape == (4, 6)
     assert add.meta["original_aten"] is torch.ops.aten.add.Tensor
     assert torch.equal(gm(c, a, b), c + a @ b)
+
+
+def test_a_scaled_addmm_or_one_without_shapes_on_record_is_left_alone() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    a, b, c = torch.randn(4, 8), torch.randn(8, 6), torch.randn(4, 6)
+    scaled = make_fx(lambda c, a, b: torch.addmm(c, a, b, beta=0.5), tracing_mode="fake")(c, a, b)
+    assert residual_addmm.split_residual_addmm(scaled.graph) == 0
+    plain = make_fx(lambda c, a, b: torch.addmm(c, a, b), tracing_mode="fake")(c, a, b)
+    addmm = next(iter(plain.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)))
+    del addmm.args[1].meta["val"]
+    assert residual_addmm.split_residual_addmm(plain.graph) == 0

@@ -4,30 +4,32 @@ A decoder layer ends its attention and its MLP with ``h = residual + x @ W``. In
 post-grad patterns fold that add into the matmul (``addmm(residual, x, W)``) whenever the
 sum leaves the compiled graph or feeds something that is not element-wise, which is
 exactly a decoder's case: the sum is the next layer's residual and the next norm's input.
-On a skinny decode matmul that fusion costs more than it saves: cuBLAS first copies the
-residual into the output (one ``memcpy`` launch per matmul), and a GEMM with ``beta=1``
-takes the split-K variants that end in a separate reduction kernel. Unfused, the matmul
-is a plain ``mm`` and the add joins the next RMSNorm's kernel, which reads the residual
-anyway. Numerically the unfused form is the eager model's: the matmul's output rounded to
-the activation dtype, then the add.
+On a skinny decode matmul the fold costs a launch: cuBLAS first copies the residual into
+the output (one ``memcpy`` per matmul, 62 of a 32-layer step's 451 launches at batch 1).
+Unfused, the matmul is a plain ``mm`` and the add joins the next RMSNorm's kernel, which
+reads the residual anyway; the sum is then rounded as the eager model rounds it (the
+matmul's output in the activation dtype, then the add).
 
 The rewrite runs as Inductor's ``post_grad_custom_post_pass`` (after its pattern passes,
 so nothing folds the add back in): an ``addmm`` with ``alpha = beta = 1`` whose addend has
 the output's shape and dtype becomes ``add(mm(a, b), addend)``. A bias, broadcast over the
-rows, keeps its ``addmm``. A pass the user set in Inductor's config still runs, after this
-one.
+rows, keeps its ``addmm``. An ``addmm`` the model calls itself with a full-shape addend is
+split as well (its sum is then rounded twice, as ``mm`` then ``add`` would round it). Passes
+the user set in Inductor's config still run, after this one. Under
+``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess`` Inductor does not hand custom passes to its
+compile subprocess, so the split does not run there.
 
 ``benchmarks/profile_decode.py --keep-residual-addmm`` measures a decode step without this
-pass by setting :data:`ENABLED` to False (Inductor's cache key includes the switch; fullcg's
-compile cache and warm starts do not, so that run turns them off).
+pass by setting :data:`ENABLED` to False (Inductor's cache key includes the switch).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +41,16 @@ __all__ = ["ENABLED", "ResidualAddmmSplit", "split_residual_addmm", "residual_ad
 ENABLED = True
 
 _aten = torch.ops.aten
-_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    try:
+        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    except OSError:  # installed without sources: the version stands in for them
+        from fullcg import __version__
+
+        return f"fullcg {__version__}"
 
 
 def _tensor(node: Any) -> torch.Tensor | None:
@@ -55,15 +66,15 @@ def split_residual_addmm(graph: torch.fx.Graph) -> int:
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 3:
             continue
         addend, a, b = node.args
-        out, c = _tensor(node), _tensor(addend)
-        if out is None or c is None or c.shape != out.shape or c.dtype != out.dtype:
+        out, c, a_val, b_val = _tensor(node), _tensor(addend), _tensor(a), _tensor(b)
+        if out is None or c is None or a_val is None or b_val is None or c.shape != out.shape or c.dtype != out.dtype:
             continue
         with graph.inserting_before(node):
             mm = graph.call_function(_aten.mm.default, (a, b))
             add = graph.call_function(_aten.add.Tensor, (mm, addend))
         # Source positions carry over; each node names its own op, which is what Inductor
         # names the kernels it fuses the node into after.
-        for new, op, val in ((mm, _aten.mm.default, _aten.mm.default(_tensor(a), _tensor(b))),
+        for new, op, val in ((mm, _aten.mm.default, _aten.mm.default(a_val, b_val)),
                              (add, _aten.add.Tensor, node.meta["val"])):
             new.meta.update(node.meta)
             new.meta.update(val=val, original_aten=op)
@@ -81,7 +92,8 @@ def _custom_pass_base() -> type:
 
 class ResidualAddmmSplit(_custom_pass_base()):  # type: ignore[misc]
     """:func:`split_residual_addmm` as an Inductor custom post-grad pass, followed by
-    ``then`` (the pass the user had configured, if any)."""
+    ``then``: the pass the user had configured, on a torch whose Inductor takes one pass
+    only (where it takes a list, the user's passes follow this one in the list)."""
 
     def __init__(self, then: Any = None) -> None:
         self.then = then
@@ -99,7 +111,7 @@ class ResidualAddmmSplit(_custom_pass_base()):  # type: ignore[misc]
             then = self.then.uuid() if hasattr(self.then, "uuid") else None
             if then is None:
                 return None
-        return (_SOURCE_HASH, ENABLED, then)
+        return (_source_hash(), ENABLED, then)
 
 
 @contextlib.contextmanager
@@ -109,8 +121,17 @@ def residual_addmm_split() -> Iterator[None]:
     import torch._inductor.config as inductor_config
 
     current = inductor_config.post_grad_custom_post_pass
-    if isinstance(current, ResidualAddmmSplit):
+    passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
+    if any(isinstance(p, ResidualAddmmSplit) for p in passes):
         yield
         return
-    with inductor_config.patch(post_grad_custom_post_pass=ResidualAddmmSplit(current)):
+    import torch._inductor.custom_graph_pass as custom_graph_pass
+
+    # A torch whose Inductor takes a list of passes calls each as it should (an
+    # inference-aware pass with ``is_inference``) and keys its cache on each one's uuid.
+    if hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        setting: Any = [ResidualAddmmSplit(), *passes]
+    else:
+        setting = ResidualAddmmSplit(current)
+    with inductor_config.patch(post_grad_custom_post_pass=setting):
         yield
