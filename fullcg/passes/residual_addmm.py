@@ -26,10 +26,7 @@ pass by setting :data:`ENABLED` to False (Inductor's cache key includes the swit
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,16 +38,6 @@ __all__ = ["ENABLED", "ResidualAddmmSplit", "split_residual_addmm", "residual_ad
 ENABLED = True
 
 _aten = torch.ops.aten
-
-
-@functools.lru_cache(maxsize=1)
-def _source_hash() -> str:
-    try:
-        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-    except OSError:  # installed without sources: the version stands in for them
-        from fullcg import __version__
-
-        return f"fullcg {__version__}"
 
 
 def _tensor(node: Any) -> torch.Tensor | None:
@@ -111,7 +98,9 @@ class ResidualAddmmSplit(_custom_pass_base()):  # type: ignore[misc]
             then = self.then.uuid() if hasattr(self.then, "uuid") else None
             if then is None:
                 return None
-        return (_source_hash(), ENABLED, then)
+        from fullcg.compile_cache import file_digest
+
+        return (file_digest(__file__), ENABLED, then)
 
 
 @contextlib.contextmanager
