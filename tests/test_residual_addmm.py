@@ -1,5 +1,5 @@
 """fullcg's compiles keep a residual add out of the matmul before it (Inductor folds it in
-as ``addmm``, which on a decode GEMM costs a copy of the residual and a split-K reduction);
+as ``addmm``, which on a decode GEMM costs a copy of the residual into its output);
 a bias keeps its ``addmm``, and a post-grad pass the user configured still runs."""
 
 from __future__ import annotations
