@@ -192,12 +192,20 @@ def tiny_demo(args: argparse.Namespace, device: torch.device) -> int:
 #: ``--model`` presets of ``build-kernels``: the demo's models as ``demo --device cuda`` runs them
 #: (SmolLM2-135M-Instruct in fp32 through its HF config; the tiny Llama with head dim 64 in bf16).
 KERNEL_MODELS: dict[str, dict[str, object]] = {
-    "smollm2": dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype="float32"),
-    "tiny": dict(num_heads=4, num_kv_heads=2, head_dim=64, page_size=4, dtype="bfloat16"),
+    "smollm2": dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype="float32", hidden_size=576,
+                    intermediate_size=1536, modules="hf"),
+    "tiny": dict(num_heads=4, num_kv_heads=2, head_dim=64, page_size=4, dtype="bfloat16", hidden_size=64,
+                 intermediate_size=128, modules="fullcg"),
 }
+#: ``--norm-form``: whether an RMSNorm casts the normed value to the input's dtype before the
+#: weight multiplies it (Llama, Mistral, Qwen) or multiplies in float32 and casts after (Gemma).
+_NORM_CAST_BEFORE_WEIGHT = {"llama": True, "gemma": False}
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
-_SHAPE_FLAGS = ("head_dim", "v_head_dim", "num_heads", "num_kv_heads", "mla_rank", "mla_rope")
+_SHAPE_FLAGS = ("head_dim", "v_head_dim", "num_heads", "num_kv_heads", "mla_rank", "mla_rope", "hidden_size",
+                "intermediate_size", "modules")
+#: The flags that describe the fused element-wise kernels (steps without a compiler only).
+_FUSED_FLAGS = ("hidden_size", "intermediate_size", "modules", "norm_form")
 
 
 class _UsageError(Exception):
@@ -209,7 +217,7 @@ def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig) -> lis
     from fullcg.kernel_build import LayerShape
 
     for flag in ("head_dim", "v_head_dim", "num_heads", "num_kv_heads", "page_size", "mla_rank", "mla_rope",
-                 "mla_nope", "mla_v_head_dim", "sliding_window", "num_pages"):
+                 "mla_nope", "mla_v_head_dim", "sliding_window", "num_pages", "hidden_size", "intermediate_size"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise _UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
@@ -260,6 +268,44 @@ def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig) -> lis
                        logit_softcap=args.logit_softcap is not None, **common)]
 
 
+def _fused_kernels(args: argparse.Namespace, config: fullcg.FullCGConfig, shapes: list) -> tuple[list, str | None]:
+    """The fused element-wise kernels steps without a compiler launch for the flags' widths,
+    and a line to print when the flags leave them out (None when there is nothing to say)."""
+    from fullcg.kernel_build import fused_kernel
+
+    given = [f for f in _FUSED_FLAGS if getattr(args, f) is not None]
+    if config.compiler != "none":
+        if given:
+            flag = given[0].replace("_", "-")
+            raise _UsageError(f"--{flag} describes the fused element-wise kernels that steps without a compiler run; "
+                              f"add --compiler none (or FULLCG_COMPILER=none), or drop --{flag}: Inductor "
+                              "generates its own")
+        return [], None
+    preset = KERNEL_MODELS[args.model] if args.model is not None else {}
+    hidden = args.hidden_size or preset.get("hidden_size")
+    intermediate = args.intermediate_size or preset.get("intermediate_size")
+    modules = args.modules or preset.get("modules") or "hf"
+    if args.norm_form is not None and modules != "hf":
+        raise _UsageError("--norm-form describes transformers' RMSNorms; fullcg's own Llama (--modules fullcg) "
+                          "multiplies by the weight in float32: drop --norm-form")
+    if hidden is None and intermediate is None:
+        return [], ("fused element-wise kernels (RMSNorm, SiLU-and-multiply, rotary) not planned: give "
+                    "--hidden-size and --intermediate-size to build them too (else a model's first capture does)")
+    dtype = shapes[0].dtype
+    cast_before_weight = _NORM_CAST_BEFORE_WEIGHT[args.norm_form or "llama"] if modules == "hf" else False
+    kernels = []
+    if hidden is not None:
+        kernels.append(fused_kernel("rms_norm", dtype, hidden, cast_before_weight))
+    if intermediate is not None:
+        kernels.append(fused_kernel("silu_mul", dtype, intermediate))
+    # prepare() fuses the rotary embedding of transformers' attention modules of q/k/v
+    # projections; latent attention and fullcg's own Llama rotate q and k in their forward.
+    shape = shapes[0]
+    if modules == "hf" and shape.attends == "cache" and shape.head_dim % 2 == 0:
+        kernels.append(fused_kernel("rotate_half", dtype, shape.head_dim // 2, shape.num_heads))
+    return [k for k in kernels if k is not None], None
+
+
 def build_kernels_command(args: argparse.Namespace) -> int:
     """Build the attention kernels the flags' layers need under the config, on this GPU."""
     from fullcg import kernel_build
@@ -271,8 +317,10 @@ def build_kernels_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        config = fullcg.FullCGConfig.from_env(**({"attention_impl": impl} if impl else {}))
+        overrides = {"attention_impl": impl, "compiler": args.compiler}
+        config = fullcg.FullCGConfig.from_env(**{k: v for k, v in overrides.items() if v is not None})
         shapes = _kernel_shapes(args, config)
+        fused, fused_note = _fused_kernels(args, config, shapes)
     except (_UsageError, fullcg.errors.FullCGError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -289,10 +337,13 @@ def build_kernels_command(args: argparse.Namespace) -> int:
             return 2
         kernels = kernel_build.plan_kernels(shapes, config, capability=(major, minor),
                                             table_pages=config.max_pages_per_request or args.num_pages or 1)
-        print(f"fullcg build-kernels: attention_impl={config.attention_impl} on SM{major}{minor} (planned, not "
-              f"built): {len(kernels)} kernel(s)")
+        kernels += tuple(fused)
+        print(f"fullcg build-kernels: attention_impl={config.attention_impl}, compiler={config.compiler} on "
+              f"SM{major}{minor} (planned, not built): {len(kernels)} kernel(s)")
         for k in kernels:
             print(f"  {k.name}")
+        if fused_note:
+            print(fused_note)
         return 0
     if not torch.cuda.is_available():
         built = f"with CUDA {torch.version.cuda}" if torch.version.cuda else "for the CPU"
@@ -312,10 +363,12 @@ def build_kernels_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     table = config.max_pages_per_request or args.num_pages or 1
-    kernels = kernel_build.plan_for(shapes, config, device, table)
+    kernels = kernel_build.plan_for(shapes, config, device, table) + tuple(fused)
     major, minor = torch.cuda.get_device_capability(device)
-    print(f"fullcg build-kernels: attention_impl={config.attention_impl} on {name} (SM{major}{minor}): "
-          f"{len(kernels)} kernel(s)")
+    print(f"fullcg build-kernels: attention_impl={config.attention_impl}, compiler={config.compiler} on {name} "
+          f"(SM{major}{minor}): {len(kernels)} kernel(s)")
+    if fused_note:
+        print(fused_note)
     if not kernels:
         print("nothing to build: this implementation compiles nothing ahead (reference), or runs kernels fullcg does "
               "not know (a registered one)")
@@ -378,6 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--logit-softcap", type=float, help="the layers' logit soft-cap")
     b.add_argument("--num-pages", type=int, help="pages of each layer's KV cache (FullCGConfig.max_pages_per_request "
                    "wins): sizes skip-softmax decode without decode_split_tiles, nothing else")
+    b.add_argument("--compiler", choices=COMPILERS, help="the run's compiler (default: FULLCG_COMPILER or inductor); "
+                   "none adds the fused element-wise kernels its eager steps launch")
+    b.add_argument("--hidden-size", type=int, help="with --compiler none: the RMSNorms' width (fused RMSNorm kernel)")
+    b.add_argument("--intermediate-size", type=int, help="with --compiler none: the MLP's intermediate size (fused "
+                   "SiLU-and-multiply kernel)")
+    b.add_argument("--modules", choices=("hf", "fullcg"), help="with --compiler none: whose modules run the layers: "
+                   "hf (default; transformers modules as fullcg.integrations.transformers.prepare switches them, "
+                   "rotary embedding fused too) or fullcg (fullcg.models.llama)")
+    b.add_argument("--norm-form", choices=sorted(_NORM_CAST_BEFORE_WEIGHT), help="with --compiler none and hf "
+                   "modules: llama (default: the normed value cast to the input's dtype, then times the weight; "
+                   "Llama, Mistral, Qwen) or gemma (times the weight in float32, then cast)")
     b.add_argument("--device", default="cuda", help="the GPU to build for: cuda (default: the current one) or cuda:N")
     b.add_argument("--dry-run", action="store_true", help="list the kernels, build nothing")
     b.add_argument("--capability", help="with --dry-run: plan for a GPU of this compute capability (MAJOR.MINOR, "

@@ -30,7 +30,9 @@ for minutes. This module knows which kernels a config needs and builds them firs
   process and kernel set.
 
 ``python -m fullcg build-kernels`` builds the attention kernels of layers described by flags at
-deploy time (README, "Deploying"); it knows no modules, so it lists no fused kernels.
+deploy time (README, "Deploying"), and with ``--compiler none`` the fused kernels of the widths
+its flags give (:func:`fused_kernel`): it knows no modules, so a model whose modules launch
+other widths (per-head q/k norms) has those built at its first capture.
 
 Not covered (built on first use, as before): kernels that depend on how a model calls its
 layers rather than on the layers, such as attention over given k/v in the chunked-prefix
@@ -71,7 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayerShape", "Kernel", "BuildResult", "KernelBuildError", "layer_shapes", "plan_kernels", "plan_for",
-    "build_kernels", "before_capture", "kernel_dir", "fused_kernels",
+    "build_kernels", "before_capture", "kernel_dir", "fused_kernels", "fused_kernel",
 ]
 
 logger = logging.getLogger(__name__)
@@ -245,6 +247,26 @@ def plan_kernels(
 _FUSED_ROLES = ("rms_norm", "silu_mul", "rotate_half")
 
 
+def fused_kernel(role: str, dtype: torch.dtype, *widths: Any) -> Kernel | None:
+    """The fused element-wise kernel of ``role`` for ``dtype`` and ``widths``: ``rms_norm``
+    (columns, cast_before_weight), ``silu_mul`` (columns of the product), ``rotate_half``
+    (half the head dim, query heads); None for a dtype the kernels do not take."""
+    from fullcg.ops.fused import KERNEL_DTYPES
+
+    if role not in _FUSED_ROLES:
+        raise ValueError(f"unknown fused kernel role {role!r}; choose {', '.join(_FUSED_ROLES)}")
+    if dtype not in KERNEL_DTYPES:
+        return None
+    dt = _dtype_name(dtype)
+    if role == "rotate_half":
+        what = f"{widths[1]} query heads of {2 * widths[0]}"
+    elif role == "rms_norm":
+        what = f"{widths[0]} columns, " + ("cast before the weight" if widths[1] else "weight in float32")
+    else:
+        what = f"{widths[0]} columns"
+    return Kernel("triton", role, (dt, *widths), f"Triton fused {role} ({dt}, {what})")
+
+
 def fused_kernels(model: torch.nn.Module) -> tuple[Kernel, ...]:
     """The fused element-wise kernels ``model``'s modules launch on eager steps, each once, in
     module order: fullcg's own Llama norms and MLPs, and the transformers modules
@@ -252,15 +274,13 @@ def fused_kernels(model: torch.nn.Module) -> tuple[Kernel, ...]:
     dtypes the kernels take; a module of another kind launches none."""
     from fullcg.integrations import eager_kernels
     from fullcg.models import llama
-    from fullcg.ops.fused import KERNEL_DTYPES
 
     found: dict[Kernel, None] = {}
 
     def add(role: str, dtype: torch.dtype, *args: Any) -> None:
-        if dtype in KERNEL_DTYPES:
-            dt = _dtype_name(dtype)
-            widths = f"{args[1]} query heads of {2 * args[0]}" if role == "rotate_half" else f"{args[0]} columns"
-            found.setdefault(Kernel("triton", role, (dt, *args), f"Triton fused {role} ({dt}, {widths})"))
+        kernel = fused_kernel(role, dtype, *args)
+        if kernel is not None:
+            found.setdefault(kernel)
 
     for module in model.modules():
         if isinstance(module, llama.RMSNorm):

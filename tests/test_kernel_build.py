@@ -324,6 +324,56 @@ def test_build_kernels_without_a_gpu_says_how_to_run_it(capsys, monkeypatch):
     assert "CUDA build of torch" in err and len(err.strip().splitlines()) == 1
 
 
+def _planned_fused(argv: list[str], capsys) -> set[str]:
+    """The fused kernels ``build-kernels ... --dry-run --capability 9.0`` lists, by name."""
+    assert main(["build-kernels", *argv, "--attention-impl", "triton", "--dry-run", "--capability", "9.0"]) == 0
+    return {line.strip() for line in capsys.readouterr().out.splitlines() if "Triton fused" in line}
+
+
+def test_build_kernels_without_a_compiler_plans_the_fused_kernels_a_prepared_hf_model_launches(capsys, monkeypatch):
+    hf_models = pytest.importorskip("hf_models")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("FULLCG_COMPILER", raising=False)
+    for arch, form in (("llama", []), ("qwen2", ["--norm-form", "llama"])):
+        _, model, _ = hf_models.build_pair(arch)
+        cfg = model.config
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        argv = ["--head-dim", str(head_dim), "--num-heads", str(cfg.num_attention_heads), "--num-kv-heads",
+                str(cfg.num_key_value_heads), "--dtype", "float32", "--compiler", "none", "--hidden-size",
+                str(cfg.hidden_size), "--intermediate-size", str(cfg.intermediate_size), *form]
+        assert _planned_fused(argv, capsys) == {k.name for k in kernel_build.fused_kernels(model)}, arch
+    # Under Inductor the fused kernels never run: none are planned.
+    assert _planned_fused(["--model", "smollm2", "--compiler", "inductor"], capsys) == set()
+
+
+def test_build_kernels_plans_fullcgs_own_llama_and_gemmas_norm_form(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("FULLCG_COMPILER", raising=False)
+    own = LlamaModel(LlamaConfig.tiny(head_dim=64), dtype=torch.bfloat16)
+    assert _planned_fused(["--model", "tiny", "--compiler", "none"], capsys) == {
+        k.name for k in kernel_build.fused_kernels(own)}, "norms multiplied in float32, no fused rotary"
+    gemma = _planned_fused(["--head-dim", "64", "--num-heads", "4", "--compiler", "none", "--hidden-size", "256",
+                            "--norm-form", "gemma"], capsys)
+    assert kernel_build.fused_kernel("rms_norm", torch.bfloat16, 256, False).name in gemma
+    assert kernel_build.fused_kernel("rms_norm", torch.bfloat16, 256, True).name not in gemma
+    assert kernel_build.fused_kernel("rms_norm", torch.bfloat16, 256, True) \
+        != kernel_build.fused_kernel("rms_norm", torch.bfloat16, 256, False), "the form is part of the kernel"
+    # Latent attention rotates q and k itself: no fused rotary for it.
+    latent = _planned_fused(["--mla-rank", "512", "--mla-rope", "64", "--num-heads", "16", "--compiler", "none",
+                             "--hidden-size", "2048", "--intermediate-size", "1024"], capsys)
+    assert {name.split(" (")[0] for name in latent} == {"Triton fused rms_norm", "Triton fused silu_mul"}
+
+
+def test_build_kernels_without_a_compiler_says_when_widths_are_missing(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["build-kernels", "--head-dim", "64", "--num-heads", "4", "--compiler", "none", "--dry-run",
+            "--capability", "9.0", "--attention-impl", "triton"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Triton fused" not in out
+    assert "not planned: give --hidden-size and --intermediate-size" in out
+
+
 def test_build_kernels_lists_for_a_capability_without_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("FULLCG_ATTENTION_IMPL", "triton")
@@ -349,6 +399,12 @@ def test_build_kernels_lists_for_a_capability_without_a_gpu(capsys, monkeypatch)
     (["--mla-rank", "512", "--mla-rope", "64", "--num-heads", "16", "--sliding-window", "8"],
      "drop --sliding-window and --logit-softcap"),
     (["--model", "tiny", "--attention-impl", "nope"], "unknown --attention-impl 'nope'; choose auto, flashinfer"),
+    (["--head-dim", "64", "--num-heads", "4", "--hidden-size", "64", "--compiler", "inductor"],
+     "--hidden-size describes the fused element-wise kernels that steps without a compiler run; add --compiler none"),
+    (["--model", "tiny", "--compiler", "none", "--norm-form", "gemma"], "(--modules fullcg) multiplies by the weight"),
+    (["--model", "tiny", "--compiler", "none", "--intermediate-size", "96"], "--model tiny gives the shapes"),
+    (["--head-dim", "64", "--num-heads", "4", "--compiler", "none", "--hidden-size", "0"],
+     "--hidden-size must be a positive integer, got 0"),
 ])
 def test_build_kernels_refuses_bad_flags_naming_the_fix(argv, message, capsys):
     assert main(["build-kernels", *argv]) == 2
@@ -383,10 +439,11 @@ def test_build_kernels_lists_and_builds_what_the_layers_need(capsys, monkeypatch
     built: list = []
     _fake_gpu(monkeypatch, built)
     monkeypatch.delenv("FULLCG_ATTENTION_IMPL", raising=False)
+    monkeypatch.delenv("FULLCG_COMPILER", raising=False)
     assert main(["build-kernels", "--head-dim", "128", "--num-heads", "32", "--num-kv-heads", "8", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines() == [
-        "fullcg build-kernels: attention_impl=auto on Fake H200 (SM90): 3 kernel(s)",
+        "fullcg build-kernels: attention_impl=auto, compiler=inductor on Fake H200 (SM90): 3 kernel(s)",
         "  FlashInfer FA2 prefill/decode module (bfloat16, head dim 128)",
         "  FlashInfer FMHAv2 Q_PAGED_KV_NHD module (bfloat16)",
         "  Triton k/v save (bfloat16, rows of 1024/1024)",
