@@ -16,7 +16,8 @@ DeepSeek-V3's attention dims (latent 512, rope 64, nope 128, v 128), bf16, pages
 - ``extend`` rows: one request adding 512 tokens to an 8k or 32k cached prefix (and 4096
   tokens to none or 8k) through
   ``fullcg.MLAAttention`` (``attention_impl="auto"``): in MHA form (new tokens up-projected,
-  the prefix chunk by chunk), absorbed, and as the default ``mla_mha_min_tokens`` picks.
+  the prefix chunk by chunk), absorbed, and as the defaults (``mla_mha_min_tokens``,
+  ``mla_mha_min_heads``) pick; at 16 and 128 heads, or ``--extend-heads``.
   ``floor_ms`` there is the absorbed form's latent bytes over the copy bandwidth.
 - ``cache_bytes_per_token``: the latent cache against decompressed keys and values.
 - ``model``: a 4-layer DeepSeek-shaped model's decode step at batch 8 (1k context), captured
@@ -32,6 +33,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -218,10 +220,10 @@ class _ExtendLayer(torch.nn.Module):
 EXTENDS = ((512, 8192), (512, 32768), (4096, 0), (4096, 8192))
 
 
-def extend_rows(dev: torch.device, bandwidth: float, quick: bool) -> list[dict]:
+def extend_rows(dev: torch.device, bandwidth: float, quick: bool, head_counts: tuple[int, ...] = (16, 128)
+                ) -> list[dict]:
     rows = []
-    default = fullcg.FullCGConfig().mla_mha_min_tokens
-    for heads in (16, 128):
+    for heads in head_counts:
         for new, context in (EXTENDS[:1] if quick else EXTENDS):
             layer = _ExtendLayer(heads, dev)
             pages = math.ceil((context + new) / PAGE)
@@ -235,8 +237,10 @@ def extend_rows(dev: torch.device, bandwidth: float, quick: bool) -> list[dict]:
                  "latent": torch.randn(new, RANK, generator=g, device=dev, dtype=DTYPE),
                  "k_pe": torch.randn(new, ROPE, generator=g, device=dev, dtype=DTYPE)}
             impls = {}
-            for name, threshold in (("mha", 1), ("absorbed", None), ("default", default)):
-                config = fullcg.FullCGConfig(attention_impl="auto", mla_mha_min_tokens=threshold)
+            forms = {"mha": dict(mla_mha_min_tokens=1, mla_mha_min_heads=1), "absorbed": dict(mla_mha_min_tokens=None),
+                     "default": {}}
+            for name, options in forms.items():
+                config = fullcg.FullCGConfig(attention_impl="auto", **options)
 
                 def run() -> None:
                     with fullcg.forward_context(md, layer, config=config):
@@ -297,6 +301,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="one context per shape")
     parser.add_argument("--parts", nargs="+", default=["decode", "extend", "model"])
+    parser.add_argument("--extend-heads", type=int, nargs="+", default=[16, 128], help="query heads of the extend rows")
     args = parser.parse_args()
     dev = torch.device("cuda")
     started = time.time()
@@ -305,13 +310,13 @@ def main() -> None:
     if "decode" in args.parts:
         rows += decode_rows(dev, bandwidth, args.quick)
     if "extend" in args.parts:
-        rows += extend_rows(dev, bandwidth, args.quick)
+        rows += extend_rows(dev, bandwidth, args.quick, tuple(args.extend_heads))
     if "model" in args.parts:
         rows += model_rows(dev)
     result = {
         "gpu": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
-        "command": "python benchmarks/mla.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python benchmarks/mla.py", *sys.argv[1:]]),
         "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
         "cache_bytes_per_token": {
             str(h): {"latent": (RANK + ROPE) * 2, "decompressed": h * (NOPE + ROPE + VDIM) * 2} for h in (16, 128)

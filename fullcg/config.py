@@ -303,6 +303,10 @@ class FullCGConfig:
         mla_mha_min_tokens: multi-head latent attention runs a step in MHA form (chunked
             prefix) when no request decodes and one has at least this many new tokens; None
             = always absorbed (see :mod:`fullcg.mla`).
+        mla_mha_min_heads: only latent layers of at least this many query heads (of one rank)
+            take the MHA form; fewer heads attend absorbed in every step (the absorbed
+            kernels read each latent once for all heads, which wins at few heads: 16 on an
+            H200, where 128 lose to the MHA form on long prompts). 1: every layer.
         trace_layers_once: ``fullcg.compile`` marks a model's repeated layers (a
             ``ModuleList`` of one class holding fullcg attention) as nested compile regions,
             so Dynamo traces one layer and reuses its graph for the others
@@ -330,6 +334,7 @@ class FullCGConfig:
     cache_dir: str | None = None
     trust_shared_cache: bool = False
     mla_mha_min_tokens: int | None = 2048
+    mla_mha_min_heads: int = 64
     trace_layers_once: bool = True
     warm_start: bool = True
 
@@ -381,6 +386,7 @@ class FullCGConfig:
             _positive_int(self.auto_full_max_tokens, "auto_full_max_tokens")
         if self.mla_mha_min_tokens is not None:
             _positive_int(self.mla_mha_min_tokens, "mla_mha_min_tokens")
+        _positive_int(self.mla_mha_min_heads, "mla_mha_min_heads")
         for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache", "trace_layers_once",
                      "warm_start"):
             if not isinstance(getattr(self, name), bool):

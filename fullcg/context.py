@@ -154,7 +154,8 @@ class _ThreadState(threading.local):
         self.prefill_factor: float | None = None
         self.decode_factor: float | None = None
         self.layer_factors: tuple[tuple[int, float | None, float | None], ...] = ()
-        self.mla_mha = False
+        #: The fewest query heads a latent layer needs to run this step in MHA form; None: absorbed.
+        self.mla_mha: int | None = None
 
     def publish(self) -> None:
         if self.stack:
@@ -170,13 +171,14 @@ class _ThreadState(threading.local):
             self.num_prefix_chunks, self.prefix_chunk_tokens = 0, 0
             self.prefill_factor = self.decode_factor = None
             self.layer_factors = ()
-            self.mla_mha = False
+            self.mla_mha = None
 
 
-def _mla_mha(stack: list[ForwardContext]) -> bool:
-    """Whether multi-head latent attention runs this step in MHA form (see
-    ``FullCGConfig.mla_mha_min_tokens``): no decode request, a request with at least that
-    many new tokens, and not a full graph (which never holds the host's chunk loop).
+def _mla_mha(stack: list[ForwardContext]) -> int | None:
+    """The fewest query heads a multi-head latent attention layer needs to run this step in
+    MHA form (``FullCGConfig.mla_mha_min_heads``), or None where the step runs absorbed:
+    a decode request, no request with ``FullCGConfig.mla_mha_min_tokens`` new tokens, or a
+    full graph (which never holds the host's chunk loop).
 
     The step's own context decides (the innermost the caller entered, not a runner's
     derived one): Dynamo traces the model there, so both front ends agree.
@@ -184,13 +186,13 @@ def _mla_mha(stack: list[ForwardContext]) -> bool:
     ctx = stack[-1]
     if ctx.compiled:  # a runner's derived context: the step's own decides, unless it is a full graph
         if ctx.variant is GraphMode.FULL:
-            return False
+            return None
         ctx = next((c for c in reversed(stack) if not c.compiled), ctx)
     threshold = ctx.config.mla_mha_min_tokens
     md = ctx.metadata
-    if threshold is None or md.has_decode or not md.query_lens:
-        return False
-    return max(md.query_lens) >= threshold
+    if threshold is None or md.has_decode or not md.query_lens or max(md.query_lens) < threshold:
+        return None
+    return ctx.config.mla_mha_min_heads
 
 
 _state = _ThreadState()
@@ -488,11 +490,13 @@ def current_piece_size() -> int | None:
     return stack[-1].padded_size
 
 
-def mla_mha_step() -> bool:
-    """Whether :class:`fullcg.MLAAttention` runs the current step in MHA form (new tokens
-    up-projected, the cached prefix chunk by chunk) rather than absorbed over the latent
-    cache: ``FullCGConfig.mla_mha_min_tokens`` decides."""
-    return _state.mla_mha
+def mla_mha_step(num_heads: int | None = None) -> bool:
+    """Whether a :class:`fullcg.MLAAttention` layer of ``num_heads`` query heads runs the
+    current step in MHA form (new tokens up-projected, the cached prefix chunk by chunk)
+    rather than absorbed over the latent cache: ``FullCGConfig.mla_mha_min_tokens`` and
+    ``mla_mha_min_heads`` decide. Without ``num_heads``: whether a layer of enough heads would."""
+    least = _state.mla_mha
+    return least is not None and (num_heads is None or num_heads >= least)
 
 
 def num_prefix_chunks() -> int:

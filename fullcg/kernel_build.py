@@ -164,7 +164,7 @@ def layer_shapes(source: torch.nn.Module | Mapping[int, KVCache], config: FullCG
     """The distinct :class:`LayerShape` of a model's fullcg attention layers that hold a KV
     cache (``source`` a model), or of a ``layer_id -> KVCache`` map (query heads, windows,
     soft-caps and sinks then unknown). A :class:`fullcg.MLAAttention` layer adds its MHA
-    form's shape when ``config.mla_mha_min_tokens`` lets steps take it."""
+    form's shape when ``config.mla_mha_min_tokens`` and ``mla_mha_min_heads`` let its steps take it."""
     from fullcg.layer import Attention
     from fullcg.mla import MLAAttention
 
@@ -178,7 +178,8 @@ def layer_shapes(source: torch.nn.Module | Mapping[int, KVCache], config: FullCG
                                  layer.logit_softcap is not None, layer.sinks is not None)
             found.setdefault(shape)
             parent = latent_parents.get(id(layer))
-            if parent is not None and config.mla_mha_min_tokens is not None:
+            if parent is not None and config.mla_mha_min_tokens is not None \
+                    and parent.num_heads >= config.mla_mha_min_heads:
                 # The MHA form: every head its own key (nope + rope) and value, over given k/v.
                 heads, qk_dim = parent.num_heads, parent.qk_nope_head_dim + parent.qk_rope_head_dim
                 found.setdefault(dataclasses.replace(

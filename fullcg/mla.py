@@ -19,7 +19,8 @@ page_size, 1, rank + rope]`` whose first ``rank`` values are also the value (the
 :class:`fullcg.KVCache`'s ``v`` is a view of ``k``). DeepSeek-V3's 576 values per token
 against 128 x (192 + 128) = 40,960 for decompressed keys and values.
 
-Prompt-heavy steps run in *MHA form* instead (``FullCGConfig.mla_mha_min_tokens``): the
+Prompt-heavy steps of layers with many heads run in *MHA form* instead
+(``FullCGConfig.mla_mha_min_tokens`` and ``mla_mha_min_heads``): the
 new tokens' latents are up-projected to per-head keys (``nope + rope``) and values and
 attended causally; the cached prefix is read back chunk by chunk, each chunk up-projected
 into a fixed-size buffer and merged in by LSE (``fullcg::merge_latent_prefix_chunks``).
@@ -163,7 +164,7 @@ class MLAAttention(nn.Module):
             if tuple(t.shape) != shape:
                 raise ValueError(
                     f"MLAAttention(layer_id={self.layer_id}): {name} must have shape {list(shape)}, got {tuple(t.shape)}")
-        if context.mla_mha_step():
+        if context.mla_mha_step(heads):
             return self._mha_form(q_nope, q_pe, latent, k_pe, kv_b_weight, return_lse)
         w_uk, w_uv = self.split_kv_b(kv_b_weight)
         # Absorb W_UK into the query: [h, T, nope] x [h, nope, rank] -> [T, h, rank]. (bmm, not

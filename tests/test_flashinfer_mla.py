@@ -689,8 +689,8 @@ def test_mla_in_mha_form_attends_at_the_decompressed_dims_on_flashinfer_as_the_r
     """Prompt-heavy steps of MLA run in MHA form: new tokens causal at 192/128, then each
     prefix chunk (32 tokens here, so several) up-projected and merged in."""
     impl = flashinfer_impl()
-    if "mla_mha_min_tokens" not in {f.name for f in dataclasses.fields(FullCGConfig)}:
-        pytest.skip("this fullcg runs MLA in the absorbed form only (no FullCGConfig.mla_mha_min_tokens)")
+    if "mla_mha_min_heads" not in {f.name for f in dataclasses.fields(FullCGConfig)}:
+        pytest.skip("this fullcg has no FullCGConfig.mla_mha_min_heads to run a few-head layer in MHA form")
     dims = []
     real_forward = impl.forward
 
@@ -704,8 +704,8 @@ def test_mla_in_mha_form_attends_at_the_decompressed_dims_on_flashinfer_as_the_r
     md = _metadata(q_lens, p_lens, 16, num_pages, device=DEVICE, prefix_chunk_tokens=32)
     inputs, kv_b = step_inputs(md.num_tokens, seed=9), kv_b_weight()
     ref, fi = mla_layer(cache), mla_layer(cache)
-    ref_out, ref_lse = attend(ref, md, inputs, kv_b, "reference", mla_mha_min_tokens=4)
-    out, lse = attend(fi, md, inputs, kv_b, "flashinfer", mla_mha_min_tokens=4)
+    ref_out, ref_lse = attend(ref, md, inputs, kv_b, "reference", mla_mha_min_tokens=4, mla_mha_min_heads=1)
+    out, lse = attend(fi, md, inputs, kv_b, "flashinfer", mla_mha_min_tokens=4, mla_mha_min_heads=1)
     assert dims and set(dims) == {(NOPE + ROPE, VDIM)}, dims
     assert_close(out, lse, ref_out, ref_lse)
     assert torch.equal(fi.kv_cache.k, ref.kv_cache.k)

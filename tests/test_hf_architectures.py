@@ -386,8 +386,9 @@ def test_deepseek_in_mha_form_for_prompt_steps_equals_hf_every_step(compiled, ar
     monkeypatch.setattr(torch_ops, "gather_prefix_chunk", lambda *a: (gathered.append(1), gather(*a))[1])
     torch._dynamo.reset()
     ref, _, step_module = build_pair(arch)
-    config = fullcg.FullCGConfig(mla_mha_min_tokens=1)
-    run = fullcg.compile(step_module, compiler="eager", mla_mha_min_tokens=1) if compiled else step_module
+    config = fullcg.FullCGConfig(mla_mha_min_tokens=1, mla_mha_min_heads=1)  # its few heads too
+    run = fullcg.compile(step_module, compiler="eager", mla_mha_min_tokens=1, mla_mha_min_heads=1) \
+        if compiled else step_module
     worst, kinds = run_steps(ref, step_module, run, config=config)
     assert worst < TOLERANCE
     assert {"extend", "prefill"} <= kinds[1]

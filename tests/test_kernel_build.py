@@ -69,12 +69,13 @@ def test_the_layers_of_a_model_make_one_shape_each_kind():
 
 def test_multi_head_latent_attention_has_a_latent_shape_and_its_mha_forms():
     model = _deepseek()
-    latent, given = layer_shapes(model, fullcg.FullCGConfig())
+    latent, given = layer_shapes(model, fullcg.FullCGConfig(mla_mha_min_heads=4))
     assert (latent.attends, latent.num_heads, latent.num_kv_heads, latent.head_dim, latent.v_head_dim) == (
         "latent", 4, 1, 576, 512)
     assert (given.attends, given.num_heads, given.num_kv_heads, given.head_dim, given.v_head_dim) == (
         "given", 4, 4, 192, 128)
     assert layer_shapes(model, fullcg.FullCGConfig(mla_mha_min_tokens=None)) == (latent,), "no MHA form, no shape"
+    assert layer_shapes(model, fullcg.FullCGConfig()) == (latent,), "4 heads take no MHA form by default (64)"
 
 
 def test_a_bare_cache_map_gives_shapes_without_query_heads():
@@ -96,7 +97,7 @@ def test_triton_runs_its_four_dense_kernels():
 
 
 def test_triton_runs_its_latent_kernels_and_the_mha_forms():
-    kernels = _plan(_deepseek(), attention_impl="triton")
+    kernels = _plan(_deepseek(), attention_impl="triton", mla_mha_min_heads=1)
     assert [k.what for k in kernels] == ["latent_save", "mla", "mla+save", "prefill (given k/v)",
                                          "prefill (prefix chunk)", "decode (given k/v)"]
     assert all(k.library == "triton" for k in kernels)
@@ -142,12 +143,12 @@ def test_windowed_and_full_layers_need_a_flashinfer_module_each():
 
 
 def test_auto_runs_latent_attention_on_flashinfer_and_its_mha_form_on_fa2():
-    kernels = _plan(_deepseek())
+    kernels = _plan(_deepseek(), mla_mha_min_heads=1)
     assert _whats(kernels) == [("flashinfer", "mla"), ("triton", "save_kv"), ("flashinfer", "fa2")]
     assert kernels[1].args == ("bfloat16", 576, 576), "FlashInfer's latent save writes whole rows"
     assert kernels[2].args == ("bfloat16", 192, 128, False, False)
     # Latent dims FlashInfer has no module for: Triton's MLA kernel (the MHA form stays on FA2).
-    other = _plan(_deepseek(kv_lora_rank=256))
+    other = _plan(_deepseek(kv_lora_rank=256), mla_mha_min_heads=1)
     assert [k.what for k in other][:3] == ["latent_save", "mla", "mla+save"]
 
 
@@ -241,7 +242,7 @@ def test_stand_in_steps_plan_exactly_the_dense_kernels_real_steps_launch(real_la
 
 def test_stand_in_steps_plan_exactly_the_latent_kernels_real_steps_launch(real_launches):
     # MLA in its MHA form from 4 new tokens on, so the steps take both forms and the chunks.
-    config = fullcg.FullCGConfig(attention_impl="triton", mla_mha_min_tokens=4)
+    config = fullcg.FullCGConfig(attention_impl="triton", mla_mha_min_tokens=4, mla_mha_min_heads=1)
     model = DeepseekModel(DeepseekConfig.tiny(qk_rope_head_dim=16, n_routed_experts=0), seed=0)
     model.allocate_kv_cache(16, 4)
     kernels = plan_kernels(layer_shapes(model, config), config, capability=HOPPER, flashinfer=False, triton=True)
@@ -461,11 +462,13 @@ def test_build_kernels_lists_and_builds_what_the_layers_need(capsys, monkeypatch
 
 def test_build_kernels_describes_latent_attention(capsys, monkeypatch):
     _fake_gpu(monkeypatch, [])
-    argv = ["build-kernels", "--mla-rank", "512", "--mla-rope", "64", "--num-heads", "16", "--dry-run",
-            "--attention-impl", "auto"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "FlashInfer MLA module" in out and "FlashInfer FA2 prefill/decode module (bfloat16, head dim 192/128)" in out
+    mha_form = "FlashInfer FA2 prefill/decode module (bfloat16, head dim 192/128)"
+    for heads, takes_mha_form in (("128", True), ("16", False)):  # FullCGConfig.mla_mha_min_heads: 64
+        argv = ["build-kernels", "--mla-rank", "512", "--mla-rope", "64", "--num-heads", heads, "--dry-run",
+                "--attention-impl", "auto"]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "FlashInfer MLA module" in out and (mha_form in out) == takes_mha_form, heads
 
 
 def test_build_kernels_reports_a_failed_build_with_status_1(capsys, monkeypatch):

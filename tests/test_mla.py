@@ -145,7 +145,8 @@ def test_an_implementation_that_reads_v_as_contiguous_refuses_a_latent_cache(mon
 
 # The MHA form: two requests (24 and 16 tokens); (query_lens, prefix_lens, requests,
 # prefix_chunk_tokens) per step. Steps without decode run in MHA form under
-# mla_mha_min_tokens=1, with 4, 14 and 7 prefix chunks; the decode step runs absorbed.
+# mla_mha_min_tokens=1 (and mla_mha_min_heads=1: the layer has few heads), with 4, 14 and 7
+# prefix chunks; the decode step runs absorbed.
 MHA_LENGTHS = {0: 24, 1: 16}
 MHA_STEPS = [
     ([8, 6], [0, 0], [0, 1], 4096),
@@ -154,7 +155,7 @@ MHA_STEPS = [
     ([1, 1], [19, 10], [0, 1], 4096),
     ([4], [20], [0], 3),
 ]
-MHA_EVERY_PROMPT = fullcg.FullCGConfig(mla_mha_min_tokens=1)
+MHA_EVERY_PROMPT = fullcg.FullCGConfig(mla_mha_min_tokens=1, mla_mha_min_heads=1)
 
 
 def _mha_inputs(seed: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -178,7 +179,7 @@ class _RecordsForm(_MLAStep):
     """Notes which form each eager step ran in."""
 
     def forward(self, q_nope, q_pe, latent, k_pe, return_lse=False):
-        self.forms.append("mha" if fullcg.context.mla_mha_step() else "absorbed")
+        self.forms.append("mha" if fullcg.context.mla_mha_step(self.mla.num_heads) else "absorbed")
         return self.mla(q_nope, q_pe, latent, k_pe, self.kv_b, return_lse=return_lse)
 
 
@@ -247,6 +248,33 @@ def test_the_form_follows_mla_mha_min_tokens_decode_requests_and_full_graphs():
         fullcg.FullCGConfig(mla_mha_min_tokens=0)
 
 
+def test_only_layers_of_mla_mha_min_heads_or_more_take_the_mha_form(monkeypatch):
+    """Few heads attend absorbed in every step (the absorbed kernels read each latent once
+    for all heads and win there); the threshold is per layer, by its query heads."""
+    assert fullcg.FullCGConfig().mla_mha_min_heads == 64
+    inputs, kv_b = _mha_inputs(seed=4), _kv_b(seed=5)
+    ran: list[str] = []
+    mha_form = fullcg.MLAAttention._mha_form
+    monkeypatch.setattr(fullcg.MLAAttention, "_mha_form",
+                        lambda self, *a: (ran.append(f"mha/{self.num_heads}"), mha_form(self, *a))[1])
+    for min_heads, form in ((64, []), (H + 1, []), (H, [f"mha/{H}"]), (1, [f"mha/{H}"])):
+        ran.clear()
+        mla = fullcg.MLAAttention(H, RANK, NOPE, ROPE, VDIM, layer_id=0)
+        mla.allocate_kv_cache(16, PAGE)
+        config = fullcg.FullCGConfig(mla_mha_min_tokens=1, mla_mha_min_heads=min_heads)
+        with torch.inference_mode():
+            for step in (0, 1):  # the first fills the prefix the second reads
+                parts, md, expected = _mha_step(inputs, kv_b, step)
+                with fullcg.forward_context(md, mla, config=config):
+                    out = mla(parts["q_nope"], parts["q_pe"], parts["latent"], parts["k_pe"], kv_b)
+                torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert ran == form * 2, min_heads
+        with fullcg.forward_context(md, mla, config=config):
+            assert fullcg.context.mla_mha_step(H) == bool(form) and fullcg.context.mla_mha_step()
+    with pytest.raises(fullcg.errors.InvalidConfigError, match="mla_mha_min_heads must be a positive integer"):
+        fullcg.FullCGConfig(mla_mha_min_heads=0)
+
+
 @pytest.mark.parametrize("compiler", ["eager", "none"])
 @pytest.mark.parametrize("graph_mode", ["piecewise", "full", "auto"])
 def test_compiled_mha_form_has_one_graph_for_every_prefix_chunk_count(compiler, graph_mode):
@@ -254,7 +282,7 @@ def test_compiled_mha_form_has_one_graph_for_every_prefix_chunk_count(compiler, 
     inputs, kv_b = _mha_inputs(seed=8), _kv_b(seed=9)
     model = _MLAStep(kv_b)
     model.mla.allocate_kv_cache(16, PAGE)
-    run = fullcg.compile(model, compiler=compiler, graph_mode=graph_mode, mla_mha_min_tokens=1)
+    run = fullcg.compile(model, compiler=compiler, graph_mode=graph_mode, mla_mha_min_tokens=1, mla_mha_min_heads=1)
     with torch.inference_mode():
         for step in range(len(MHA_STEPS)):
             parts, md, expected = _mha_step(inputs, kv_b, step)
