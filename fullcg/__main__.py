@@ -203,7 +203,7 @@ _NORM_CAST_BEFORE_WEIGHT = {"llama": True, "gemma": False}
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 _SHAPE_FLAGS = ("head_dim", "v_head_dim", "num_heads", "num_kv_heads", "mla_rank", "mla_rope", "hidden_size",
-                "intermediate_size", "modules")
+                "intermediate_size")
 #: The flags that describe the fused element-wise kernels (steps without a compiler only).
 _FUSED_FLAGS = ("hidden_size", "intermediate_size", "modules", "norm_form")
 
@@ -212,8 +212,8 @@ class _UsageError(Exception):
     """A bad combination of flags; the message names the fix."""
 
 
-def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig) -> list:
-    """The layer shapes the flags describe (every layer alike)."""
+def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig, notes: list[str]) -> list:
+    """The layer shapes the flags describe (every layer alike); what the plan leaves out goes to ``notes``."""
     from fullcg.kernel_build import LayerShape
 
     for flag in ("head_dim", "v_head_dim", "num_heads", "num_kv_heads", "page_size", "mla_rank", "mla_rope",
@@ -256,6 +256,10 @@ def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig) -> lis
             nope, v = args.mla_nope or 128, args.mla_v_head_dim or 128
             shapes.append(LayerShape(heads, heads, nope + rope, v, attends="given", returns_lse=True,
                                      v_after_k=False, **common))
+        elif config.mla_mha_min_tokens is not None:
+            notes.append(f"the MHA form of long prompts not planned: {heads} heads, fewer than mla_mha_min_heads "
+                         f"({config.mla_mha_min_heads}), attend absorbed in every step (--mla-mha-min-heads "
+                         "plans for a config that lowers it)")
         return shapes
     head_dim = args.head_dim or preset.get("head_dim")
     if head_dim is None or heads is None:
@@ -269,9 +273,10 @@ def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig) -> lis
                        logit_softcap=args.logit_softcap is not None, **common)]
 
 
-def _fused_kernels(args: argparse.Namespace, config: fullcg.FullCGConfig, shapes: list) -> tuple[list, str | None]:
-    """The fused element-wise kernels steps without a compiler launch for the flags' widths,
-    and a line to print when the flags leave them out (None when there is nothing to say)."""
+def _fused_kernels(args: argparse.Namespace, config: fullcg.FullCGConfig, shapes: list, notes: list[str]) -> list:
+    """The fused element-wise kernels steps without a compiler launch for the flags' widths
+    (a Llama-shaped model's: RMSNorm, SwiGLU's SiLU-and-multiply, rotate-half rotary); what
+    the flags leave out goes to ``notes``."""
     from fullcg.kernel_build import fused_kernel
 
     given = [f for f in _FUSED_FLAGS if getattr(args, f) is not None]
@@ -279,9 +284,9 @@ def _fused_kernels(args: argparse.Namespace, config: fullcg.FullCGConfig, shapes
         if given:
             flag = given[0].replace("_", "-")
             raise _UsageError(f"--{flag} describes the fused element-wise kernels that steps without a compiler run; "
-                              f"add --compiler none (or FULLCG_COMPILER=none), or drop --{flag}: Inductor "
-                              "generates its own")
-        return [], None
+                              f"add --compiler none (or FULLCG_COMPILER=none), or drop --{flag}: with "
+                              f"compiler={config.compiler} the model's own operations run instead")
+        return []
     preset = KERNEL_MODELS[args.model] if args.model is not None else {}
     hidden = args.hidden_size or preset.get("hidden_size")
     intermediate = args.intermediate_size or preset.get("intermediate_size")
@@ -289,10 +294,11 @@ def _fused_kernels(args: argparse.Namespace, config: fullcg.FullCGConfig, shapes
     if args.norm_form is not None and modules != "hf":
         raise _UsageError("--norm-form describes transformers' RMSNorms; fullcg's own Llama (--modules fullcg) "
                           "multiplies by the weight in float32: drop --norm-form")
-    if hidden is None and intermediate is None:
-        return [], ("fused element-wise kernels (RMSNorm, SiLU-and-multiply, rotary) not planned: give "
-                    "--hidden-size and --intermediate-size to build them too (else a model's first capture does)")
-    dtype = shapes[0].dtype
+    shape = shapes[0]
+    if modules == "fullcg" and shape.attends != "cache":
+        raise _UsageError("--modules fullcg describes fullcg.models.llama; fullcg's DeepSeek model (latent "
+                          "attention) builds its fused kernels at its first capture: drop --modules fullcg")
+    dtype = shape.dtype
     cast_before_weight = _NORM_CAST_BEFORE_WEIGHT[args.norm_form or "llama"] if modules == "hf" else False
     kernels = []
     if hidden is not None:
@@ -301,10 +307,14 @@ def _fused_kernels(args: argparse.Namespace, config: fullcg.FullCGConfig, shapes
         kernels.append(fused_kernel("silu_mul", dtype, intermediate))
     # prepare() fuses the rotary embedding of transformers' attention modules of q/k/v
     # projections; latent attention and fullcg's own Llama rotate q and k in their forward.
-    shape = shapes[0]
     if modules == "hf" and shape.attends == "cache" and shape.head_dim % 2 == 0:
         kernels.append(fused_kernel("rotate_half", dtype, shape.head_dim // 2, shape.num_heads))
-    return [k for k in kernels if k is not None], None
+    missing = [name for name, width in (("--hidden-size (fused RMSNorm)", hidden),
+                                        ("--intermediate-size (fused SiLU-and-multiply)", intermediate)) if width is None]
+    if missing:
+        notes.append(f"not planned without {' and '.join(missing)}: a model's first capture builds "
+                     f"{'them' if len(missing) > 1 else 'it'}")
+    return [k for k in kernels if k is not None]
 
 
 def build_kernels_command(args: argparse.Namespace) -> int:
@@ -318,10 +328,11 @@ def build_kernels_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        overrides = {"attention_impl": impl, "compiler": args.compiler}
+        overrides = {"attention_impl": impl, "compiler": args.compiler, "mla_mha_min_heads": args.mla_mha_min_heads}
         config = fullcg.FullCGConfig.from_env(**{k: v for k, v in overrides.items() if v is not None})
-        shapes = _kernel_shapes(args, config)
-        fused, fused_note = _fused_kernels(args, config, shapes)
+        notes: list[str] = []
+        shapes = _kernel_shapes(args, config, notes)
+        fused = _fused_kernels(args, config, shapes, notes)
     except (_UsageError, fullcg.errors.FullCGError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -343,8 +354,8 @@ def build_kernels_command(args: argparse.Namespace) -> int:
               f"SM{major}{minor} (planned, not built): {len(kernels)} kernel(s)")
         for k in kernels:
             print(f"  {k.name}")
-        if fused_note:
-            print(fused_note)
+        for note in notes:
+            print(note)
         return 0
     if not torch.cuda.is_available():
         built = f"with CUDA {torch.version.cuda}" if torch.version.cuda else "for the CPU"
@@ -368,8 +379,8 @@ def build_kernels_command(args: argparse.Namespace) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     print(f"fullcg build-kernels: attention_impl={config.attention_impl}, compiler={config.compiler} on {name} "
           f"(SM{major}{minor}): {len(kernels)} kernel(s)")
-    if fused_note:
-        print(fused_note)
+    for note in notes:
+        print(note)
     if not kernels:
         print("nothing to build: this implementation compiles nothing ahead (reference), or runs kernels fullcg does "
               "not know (a registered one)")
@@ -428,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--mla-rope", type=int, help="multi-head latent attention: qk_rope_head_dim (DeepSeek-V3: 64)")
     b.add_argument("--mla-nope", type=int, help="qk_nope_head_dim, for the MHA form of long prompts (default 128)")
     b.add_argument("--mla-v-head-dim", type=int, help="v_head_dim, for the MHA form of long prompts (default 128)")
+    b.add_argument("--mla-mha-min-heads", type=int, help="the config's mla_mha_min_heads (default 64): with fewer "
+                   "--num-heads, latent layers never take the MHA form, and its kernels are not planned")
     b.add_argument("--sliding-window", type=int, help="the layers' sliding window, in keys")
     b.add_argument("--logit-softcap", type=float, help="the layers' logit soft-cap")
     b.add_argument("--num-pages", type=int, help="pages of each layer's KV cache (FullCGConfig.max_pages_per_request "
@@ -435,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--compiler", choices=COMPILERS, help="the run's compiler (default: FULLCG_COMPILER or inductor); "
                    "none adds the fused element-wise kernels its eager steps launch")
     b.add_argument("--hidden-size", type=int, help="with --compiler none: the RMSNorms' width (fused RMSNorm kernel)")
-    b.add_argument("--intermediate-size", type=int, help="with --compiler none: the MLP's intermediate size (fused "
-                   "SiLU-and-multiply kernel)")
+    b.add_argument("--intermediate-size", type=int, help="with --compiler none: the MLP's intermediate size, of one "
+                   "rank (fused SiLU-and-multiply kernel)")
     b.add_argument("--modules", choices=("hf", "fullcg"), help="with --compiler none: whose modules run the layers: "
                    "hf (default; transformers modules as fullcg.integrations.transformers.prepare switches them, "
                    "rotary embedding fused too) or fullcg (fullcg.models.llama)")

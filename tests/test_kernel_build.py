@@ -365,14 +365,32 @@ def test_build_kernels_plans_fullcgs_own_llama_and_gemmas_norm_form(capsys, monk
     assert {name.split(" (")[0] for name in latent} == {"Triton fused rms_norm", "Triton fused silu_mul"}
 
 
-def test_build_kernels_without_a_compiler_says_when_widths_are_missing(capsys, monkeypatch):
+def test_build_kernels_without_a_compiler_says_which_widths_are_missing(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     argv = ["build-kernels", "--head-dim", "64", "--num-heads", "4", "--compiler", "none", "--dry-run",
             "--capability", "9.0", "--attention-impl", "triton"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "Triton fused" not in out
-    assert "not planned: give --hidden-size and --intermediate-size" in out
+    fused = [line.strip() for line in out.splitlines() if "Triton fused" in line]
+    assert fused == ["Triton fused rotate_half (bfloat16, 4 query heads of 64)"], "the head dims are enough for it"
+    assert "not planned without --hidden-size (fused RMSNorm) and --intermediate-size (fused SiLU-and-multiply)" in out
+    assert main([*argv, "--hidden-size", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "not planned without --intermediate-size (fused SiLU-and-multiply): a model's first capture builds it" in out
+
+
+def test_build_kernels_says_when_latent_layers_have_too_few_heads_for_the_mha_form(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["build-kernels", "--mla-rank", "512", "--mla-rope", "64", "--num-heads", "16", "--dry-run",
+            "--capability", "9.0", "--attention-impl", "triton"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "given k/v" not in out and "16 heads, fewer than mla_mha_min_heads (64)" in out
+    assert main([*argv, "--mla-mha-min-heads", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "Triton prefill (given k/v" in out and "mla_mha_min_heads" not in out
+    assert main([*argv, "--mla-mha-min-heads", "0"]) == 2
+    assert "mla_mha_min_heads must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_build_kernels_lists_for_a_capability_without_a_gpu(capsys, monkeypatch):
@@ -404,6 +422,8 @@ def test_build_kernels_lists_for_a_capability_without_a_gpu(capsys, monkeypatch)
      "--hidden-size describes the fused element-wise kernels that steps without a compiler run; add --compiler none"),
     (["--model", "tiny", "--compiler", "none", "--norm-form", "gemma"], "(--modules fullcg) multiplies by the weight"),
     (["--model", "tiny", "--compiler", "none", "--intermediate-size", "96"], "--model tiny gives the shapes"),
+    (["--mla-rank", "512", "--mla-rope", "64", "--num-heads", "16", "--compiler", "none", "--modules", "fullcg"],
+     "fullcg's DeepSeek model (latent attention) builds its fused kernels at its first capture"),
     (["--head-dim", "64", "--num-heads", "4", "--compiler", "none", "--hidden-size", "0"],
      "--hidden-size must be a positive integer, got 0"),
 ])
