@@ -277,7 +277,12 @@ def test_only_layers_of_mla_mha_min_heads_or_more_take_the_mha_form(monkeypatch)
 
 @pytest.mark.parametrize("compiler", ["eager", "none"])
 @pytest.mark.parametrize("graph_mode", ["piecewise", "full", "auto"])
-def test_compiled_mha_form_has_one_graph_for_every_prefix_chunk_count(compiler, graph_mode):
+def test_compiled_mha_form_has_one_graph_for_every_prefix_chunk_count(compiler, graph_mode, monkeypatch):
+    from fullcg.ops import torch_ops
+
+    gathered: list[int] = []  # prefix chunks the MHA form read back, as the steps ran
+    gather = torch_ops.gather_prefix_chunk
+    monkeypatch.setattr(torch_ops, "gather_prefix_chunk", lambda *a: (gathered.append(1), gather(*a))[1])
     torch._dynamo.reset()
     inputs, kv_b = _mha_inputs(seed=8), _kv_b(seed=9)
     model = _MLAStep(kv_b)
@@ -289,6 +294,8 @@ def test_compiled_mha_form_has_one_graph_for_every_prefix_chunk_count(compiler, 
             with fullcg.forward_context(md, model, config=MHA_EVERY_PROMPT):
                 out = run(parts["q_nope"], parts["q_pe"], parts["latent"], parts["k_pe"])
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if graph_mode != "full":  # a full graph always attends absorbed
+        assert len(gathered) >= 4 + 14 + 7, "the prompt steps over a cached prefix ran in MHA form"
     if compiler != "none":
         # One graph in MHA form (0, 4, 14 and 7 prefix chunks alike), one absorbed (the decode step).
         assert len(run.runners) == 2
