@@ -410,10 +410,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         """``logits [R, V]`` -> token ids ``int64 [R]``; ``keys`` ``int64 [R, 2]`` name the draws
         (default: the row number and how many keyless calls came before)."""
-        logits = logits.float()
-        if self.greedy:
+        if self.greedy:  # a half-precision value widens exactly, so its argmax is the float32 one's
             return logits.argmax(dim=-1)
-        logits = logits / self.temperature
+        logits = logits.float() / self.temperature
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)

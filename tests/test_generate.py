@@ -99,6 +99,20 @@ def test_one_max_new_tokens_per_prompt_must_match_the_prompts():
 # --- the sampler ---
 
 
+def test_greedy_sampling_of_half_precision_logits_picks_what_float32_picks_without_widening_them(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = torch.randn(5, 300, generator=g).to(dtype)
+        logits[1, 7] = logits[1, 8] = logits[1].max() + 1  # a tie: the first index, as float32's argmax
+        widened = []
+        float_ = torch.Tensor.float
+        monkeypatch.setattr(torch.Tensor, "float", lambda self: (widened.append(1), float_(self))[1])
+        picked = Sampler()(logits)
+        monkeypatch.undo()
+        assert torch.equal(picked, logits.float().argmax(-1)) and picked[1] == 7
+        assert not widened, "greedy reads the logits as they are: no float32 copy of [rows, vocab]"
+
+
 def test_sampling_with_top_k_1_or_a_tiny_top_p_is_greedy():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     greedy = logits.argmax(-1)
