@@ -251,7 +251,7 @@ def _kernel_shapes(args: argparse.Namespace, config: fullcg.FullCGConfig, notes:
                               "those over a latent cache): drop --sliding-window and --logit-softcap")
         rank, rope = args.mla_rank, args.mla_rope
         shapes = [LayerShape(heads, 1, rank + rope, rank, attends="latent", v_after_k=False, **common)]
-        if config.mla_mha_min_tokens is not None and heads >= config.mla_mha_min_heads:
+        if config.mla_mha_form_for(heads):
             # long prompts attend in MHA form, over given k/v
             nope, v = args.mla_nope or 128, args.mla_v_head_dim or 128
             shapes.append(LayerShape(heads, heads, nope + rope, v, attends="given", returns_lse=True,

@@ -412,6 +412,11 @@ class FullCGConfig:
             return self.capture_sizes
         return default_capture_sizes(self.max_capture_size)
 
+    def mla_mha_form_for(self, num_heads: int) -> bool:
+        """Whether a latent attention layer of ``num_heads`` query heads runs prompt-heavy
+        steps in MHA form under this config (``mla_mha_min_tokens`` and ``mla_mha_min_heads``)."""
+        return self.mla_mha_min_tokens is not None and num_heads >= self.mla_mha_min_heads
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> FullCGConfig:
         """Build a config from ``FULLCG_*`` environment variables; ``overrides`` win."""

@@ -192,7 +192,7 @@ def _mla_mha(stack: list[ForwardContext]) -> int | None:
     md = ctx.metadata
     if threshold is None or md.has_decode or not md.query_lens or max(md.query_lens) < threshold:
         return None
-    return ctx.config.mla_mha_min_heads
+    return ctx.config.mla_mha_min_heads  # each layer compares its own heads (mla_mha_step)
 
 
 _state = _ThreadState()

@@ -178,8 +178,7 @@ def layer_shapes(source: torch.nn.Module | Mapping[int, KVCache], config: FullCG
                                  layer.logit_softcap is not None, layer.sinks is not None)
             found.setdefault(shape)
             parent = latent_parents.get(id(layer))
-            if parent is not None and config.mla_mha_min_tokens is not None \
-                    and parent.num_heads >= config.mla_mha_min_heads:
+            if parent is not None and config.mla_mha_form_for(parent.num_heads):
                 # The MHA form: every head its own key (nope + rope) and value, over given k/v.
                 heads, qk_dim = parent.num_heads, parent.qk_nope_head_dim + parent.qk_rope_head_dim
                 found.setdefault(dataclasses.replace(

@@ -325,10 +325,15 @@ def test_build_kernels_without_a_gpu_says_how_to_run_it(capsys, monkeypatch):
     assert "CUDA build of torch" in err and len(err.strip().splitlines()) == 1
 
 
-def _planned_fused(argv: list[str], capsys) -> set[str]:
-    """The fused kernels ``build-kernels ... --dry-run --capability 9.0`` lists, by name."""
+def _dry_run(argv: list[str], capsys) -> str:
+    """What ``build-kernels ... --attention-impl triton --dry-run --capability 9.0`` prints."""
     assert main(["build-kernels", *argv, "--attention-impl", "triton", "--dry-run", "--capability", "9.0"]) == 0
-    return {line.strip() for line in capsys.readouterr().out.splitlines() if "Triton fused" in line}
+    return capsys.readouterr().out
+
+
+def _planned_fused(argv: list[str], capsys) -> set[str]:
+    """The fused kernels a dry run lists, by name."""
+    return {line.strip() for line in _dry_run(argv, capsys).splitlines() if "Triton fused" in line}
 
 
 def test_build_kernels_without_a_compiler_plans_the_fused_kernels_a_prepared_hf_model_launches(capsys, monkeypatch):
@@ -367,29 +372,23 @@ def test_build_kernels_plans_fullcgs_own_llama_and_gemmas_norm_form(capsys, monk
 
 def test_build_kernels_without_a_compiler_says_which_widths_are_missing(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = ["build-kernels", "--head-dim", "64", "--num-heads", "4", "--compiler", "none", "--dry-run",
-            "--capability", "9.0", "--attention-impl", "triton"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
+    argv = ["--head-dim", "64", "--num-heads", "4", "--compiler", "none"]
+    out = _dry_run(argv, capsys)
     fused = [line.strip() for line in out.splitlines() if "Triton fused" in line]
     assert fused == ["Triton fused rotate_half (bfloat16, 4 query heads of 64)"], "the head dims are enough for it"
     assert "not planned without --hidden-size (fused RMSNorm) and --intermediate-size (fused SiLU-and-multiply)" in out
-    assert main([*argv, "--hidden-size", "256"]) == 0
-    out = capsys.readouterr().out
+    out = _dry_run([*argv, "--hidden-size", "256"], capsys)
     assert "not planned without --intermediate-size (fused SiLU-and-multiply): a model's first capture builds it" in out
 
 
 def test_build_kernels_says_when_latent_layers_have_too_few_heads_for_the_mha_form(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = ["build-kernels", "--mla-rank", "512", "--mla-rope", "64", "--num-heads", "16", "--dry-run",
-            "--capability", "9.0", "--attention-impl", "triton"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
+    argv = ["--mla-rank", "512", "--mla-rope", "64", "--num-heads", "16"]
+    out = _dry_run(argv, capsys)
     assert "given k/v" not in out and "16 heads, fewer than mla_mha_min_heads (64)" in out
-    assert main([*argv, "--mla-mha-min-heads", "16"]) == 0
-    out = capsys.readouterr().out
+    out = _dry_run([*argv, "--mla-mha-min-heads", "16"], capsys)
     assert "Triton prefill (given k/v" in out and "mla_mha_min_heads" not in out
-    assert main([*argv, "--mla-mha-min-heads", "0"]) == 2
+    assert main(["build-kernels", *argv, "--mla-mha-min-heads", "0", "--dry-run", "--capability", "9.0"]) == 2
     assert "mla_mha_min_heads must be a positive integer, got 0" in capsys.readouterr().err
 
 

@@ -269,6 +269,7 @@ def test_only_layers_of_mla_mha_min_heads_or_more_take_the_mha_form(monkeypatch)
                     out = mla(parts["q_nope"], parts["q_pe"], parts["latent"], parts["k_pe"], kv_b)
                 torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         assert ran == form * 2, min_heads
+        assert config.mla_mha_form_for(H) == bool(form), "kernel planning follows the layers' rule"
         with fullcg.forward_context(md, mla, config=config):
             assert fullcg.context.mla_mha_step(H) == bool(form) and fullcg.context.mla_mha_step()
     with pytest.raises(fullcg.errors.InvalidConfigError, match="mla_mha_min_heads must be a positive integer"):
