@@ -7,7 +7,9 @@ fullcg keeps one entry per graph Dynamo hands to the backend, under the cache di
   serialized by PyTorch's own ``torch.compiler.save_cache_artifacts`` (Inductor's FX graph
   cache entries, autotuning results, AOTAutograd entries) and loaded back with
   ``torch.compiler.load_cache_artifacts`` before the graph is compiled again, so Inductor
-  finds everything in its caches;
+  finds everything in its caches; before them, one JSON line of what the compiling process
+  learnt about its machine (:class:`HostFacts`), so a process that loads the entry need
+  not learn it again;
 - ``warm/<key>.bin``: the graphs Dynamo traced for a model and how its steps map onto
   them, for warm starts without Dynamo's tracing (:mod:`fullcg.warm_start`);
 - ``inductor/``: Inductor's (and, through it, Triton's) cache directory while fullcg
@@ -42,14 +44,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import functools
 import hashlib
+import json
 import logging
 import os
 import re
 import stat
+import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+import types
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +97,8 @@ DEFAULT_CACHE_DIR = "~/.cache/fullcg"
 # Bump when the entry format or what an entry means changes. The format is part of every
 # key, so an older process's entries are never even looked up: a clean miss.
 # 2: a signature line (HMAC-SHA256 under FULLCG_CACHE_KEY, or _UNSIGNED) after the checksum.
-_FORMAT = 2
+# 3: a graph entry's payload starts with one JSON line of host facts (HostFacts).
+_FORMAT = 3
 _MAGIC = f"fullcg-compile-cache {_FORMAT}\n".encode()
 _UNSIGNED = b"-" * 64
 # An entry is opened without blocking (a FIFO planted in its place must not hang the
@@ -265,31 +273,39 @@ class CompileCache:
     def load(self, key: str) -> bool:
         """Load entry ``key`` into torch's caches. False on a miss, and (after one warning)
         for an entry that is bad or not trusted."""
-        hit, may_store = self._lookup(key)
-        if may_store or hit:
+        return self._load(key) is not None
+
+    def _load(self, key: str) -> HostFacts | None:
+        """:meth:`load`: the entry's host facts on a hit, None otherwise."""
+        facts, may_store = self._lookup(key)
+        if may_store or facts is not None:
             self._keep_out.discard(key)
         else:
             self._keep_out.add(key)
-        return hit
+        return facts
 
-    def _lookup(self, key: str) -> tuple[bool, bool]:
-        """:meth:`load`, and whether a fresh entry may be written in its place after a miss:
+    def _lookup(self, key: str) -> tuple[HostFacts | None, bool]:
+        """:meth:`_load`, and whether a fresh entry may be written in its place after a miss:
         never under an untrusted directory, nor over a refused file that is not ours."""
         payload, may_store = self.read(key)
         if payload is None:
-            return False, may_store
+            return None, may_store
         path = self.entry_path(key)
         replaceable = self._replaceable(path)
+        line, _, artifacts = payload.partition(b"\n")
+        facts = HostFacts.decode(line)
+        if facts is None:
+            return None, self._bad(path, "truncated or not a fullcg cache entry", replaceable)
         try:
-            info = torch.compiler.load_cache_artifacts(payload)
+            info = torch.compiler.load_cache_artifacts(artifacts)
         except Exception as exc:  # a torch that cannot read it: recompile rather than fail
-            return False, self._bad(path, f"not loadable by torch {torch.__version__} ({type(exc).__name__}: {exc})",
-                                    replaceable)
+            return None, self._bad(path, f"not loadable by torch {torch.__version__} ({type(exc).__name__}: {exc})",
+                                   replaceable)
         if info is None:
-            return False, self._bad(path, "not loadable (torch could not deserialize its artifacts)", replaceable)
+            return None, self._bad(path, "not loadable (torch could not deserialize its artifacts)", replaceable)
         count("hit")
         logger.info("fullcg: compile cache hit: %s", path)
-        return True, False
+        return facts, False
 
     def read(self, key: str, kind: str = GRAPHS) -> tuple[bytes | None, bool]:
         """The payload of entry ``key`` of ``kind`` once every check passed (None on a miss
@@ -414,7 +430,7 @@ class CompileCache:
         if saved is None:
             logger.info("fullcg: compiling produced no cache artifacts; nothing stored")
             return
-        self.write(key, saved[0])
+        self.write(key, HostFacts.learnt().encode() + b"\n" + saved[0])
 
     def write(self, key: str, payload: bytes, kind: str = GRAPHS) -> None:
         """Write ``payload`` as entry ``key`` of ``kind`` (temp file and rename; signed under
@@ -467,10 +483,13 @@ class CompileCache:
         Inductor's cache directory into the cache (:meth:`inductor_dir`), and stores the
         entry after a miss (where :meth:`store` may)."""
         with self._inductor_cache_dir(), _fresh_artifact_record():
-            hit = self.load(key)
-            yield hit
-            if not hit:
+            facts = self._load(key)
+            if facts is None:
+                yield False
                 self.store(key)
+                return
+            with facts.applied():
+                yield True
 
     @contextlib.contextmanager
     def _inductor_cache_dir(self) -> Iterator[None]:
@@ -491,6 +510,115 @@ class CompileCache:
                 os.environ.pop(_INDUCTOR_ENV, None)
             else:
                 os.environ[_INDUCTOR_ENV] = current
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFacts:
+    """What compiling a graph taught Inductor about this machine that loading it would
+    otherwise make Inductor learn again, once per process, before the first CPU piece runs.
+
+    ``vec_isa``: the vector instruction set Inductor chose for C++ kernels. To choose, it
+    compiles a test library per instruction set the CPU reports and loads each in a fresh
+    Python process (0.4 s on a 2-core host, every process); the loaded pieces' libraries
+    are already built for the set chosen here. A process that loads the entry takes the
+    set as proven when the CPU reports the same best set (no compile, no child process);
+    otherwise Inductor probes as usual.
+    """
+
+    vec_isa: str | None = None
+
+    @classmethod
+    def learnt(cls) -> HostFacts:
+        """The facts this process has learnt so far (none it would have to learn for this)."""
+        isa_module = sys.modules.get("torch._inductor.cpu_vec_isa")
+        probed = getattr(isa_module, "valid_vec_isa_list", None)
+        if probed is None or not hasattr(probed, "cache_info") or probed.cache_info().currsize == 0:
+            return cls()  # nothing chose an instruction set (no C++ kernels): nothing to keep
+        try:
+            return cls(vec_isa=str(isa_module.pick_vec_isa()))
+        except Exception:  # noqa: BLE001 - a fact not kept is learnt again by the next process
+            return cls()
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, line: bytes) -> HostFacts | None:
+        """The facts in an entry's first payload line; None when it is not such a line."""
+        try:
+            fields = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(fields, dict) or not isinstance(fields.get("vec_isa", ""), (str, type(None))):
+            return None
+        return cls(vec_isa=fields.get("vec_isa"))
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Inside, while the entry's graph compiles from the caches it filled: Inductor takes
+        these facts instead of learning them, and prepares no precompiled header. A header
+        only speeds up building a library, and a hit's libraries are built; preparing one
+        runs the C++ preprocessor over torch's headers (0.2 s a process), and a piece that
+        still has to build compiles without it, to the same library.
+
+        Both are Inductor's module functions swapped for the compile, not its config: its
+        config is part of every key it looks up, which must stay the ones the entry holds.
+        A torch without these functions compiles as it would without the facts."""
+        try:
+            from torch._inductor import codecache, cpu_vec_isa
+        except ImportError:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            if callable(getattr(codecache, "_precompile_header", None)):
+                stack.enter_context(_swapped(codecache, "_precompile_header", _no_precompiled_header))
+            proven = _proven_vec_isa_list(cpu_vec_isa, self.vec_isa) if self.vec_isa is not None else None
+            if proven is not None:
+                count("vec_isa_known")
+                stack.enter_context(_swapped(cpu_vec_isa, "valid_vec_isa_list", proven))
+            yield
+
+
+def _no_precompiled_header(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _swapped(module: types.ModuleType, name: str, value: Any) -> Iterator[None]:
+    """``module.name`` is ``value`` inside (callers look it up when they call it)."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        if getattr(module, name) is value:
+            setattr(module, name, original)
+
+
+def _proven_vec_isa_list(cpu_vec_isa: types.ModuleType, recorded: str) -> Callable[[], list[Any]] | None:
+    """A stand-in for Inductor's ``valid_vec_isa_list`` that does not probe, when the CPU's
+    best instruction set is ``recorded`` (see :class:`HostFacts`); None when Inductor
+    should probe as usual: the user chose (``TORCHINDUCTOR_VEC_ISA_OK``), this process
+    probed already, or the CPU or ``ATEN_CPU_CAPABILITY`` makes another choice."""
+    from torch._inductor import config as inductor_config
+
+    probed = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    if (inductor_config.cpp.vec_isa_ok is not None or not hasattr(probed, "cache_clear")
+            or probed.cache_info().currsize):
+        return None
+    try:
+        # The CPU's sets, unprobed: what the probe keeps when the compiler builds them all.
+        # The config is patched only for this call, never while a key is computed.
+        with inductor_config.patch({"cpp.vec_isa_ok": True}):
+            isa_list = list(probed())
+            best = str(cpu_vec_isa.pick_vec_isa())
+    except Exception:  # noqa: BLE001 - a torch without this machinery probes as usual
+        return None
+    finally:
+        probed.cache_clear()  # later compiles outside this one probe as usual
+    if best != recorded:
+        return None
+    return functools.cache(lambda: list(isa_list))
 
 
 @contextlib.contextmanager

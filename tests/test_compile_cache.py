@@ -14,7 +14,7 @@ import torch
 
 import fullcg
 from fullcg import compile_cache
-from fullcg.compile_cache import CompileCache, cache_for
+from fullcg.compile_cache import CompileCache, HostFacts, cache_for
 
 WORKER = Path(__file__).with_name("compile_cache_worker.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +54,9 @@ def test_a_second_process_loads_the_cache_and_bad_entries_are_recompiled(tmp_pat
     [entry] = _entries(tmp_path)
 
     second = _run_worker(tmp_path)
-    assert second["fullcg"] == {"hit": 1}
+    # The entry also told it the instruction set the first process proved for C++ kernels:
+    # it did not build and load a test library per instruction set again.
+    assert second["fullcg"] == {"hit": 1, "vec_isa_known": 1}
     assert second["inductor"].get("fxgraph_cache_hit", 0) == 3 and "fxgraph_cache_miss" not in second["inductor"]
     assert "compile cache entry" not in second["stderr"]
 
@@ -90,59 +92,60 @@ def test_two_processes_starting_at_once_both_succeed_and_leave_a_valid_entry(tmp
     assert compile_cache.cache_stats() == {"hit": 1}
 
 
-def test_an_entry_torch_cannot_read_is_a_warning_not_a_crash(tmp_path, caplog):
+@pytest.mark.parametrize("payload, why", [
+    (HostFacts().encode() + b"\nnot torch cache artifacts", "not loadable"),
+    (b"not torch cache artifacts", "not a fullcg cache entry"),
+    (b'["a list"]\n', "not a fullcg cache entry"),
+])
+def test_an_entry_torch_cannot_read_is_a_warning_not_a_crash(tmp_path, caplog, payload, why):
     cache = CompileCache(tmp_path)
     key = "0" * 64
-    payload = b"not torch cache artifacts"
     path = cache.entry_path(key)
     path.parent.mkdir(parents=True)
     path.write_bytes(compile_cache._encode_entry(key, payload, secret=None))
     compile_cache.reset_cache_stats()
     assert not cache.load(key)
     assert compile_cache.cache_stats() == {"bad": 1}
-    assert "not loadable" in caplog.text and not path.exists()
+    assert why in caplog.text and not path.exists()
 
 
-def test_the_cache_is_off_when_asked_or_when_nothing_is_compiled(monkeypatch, tmp_path):
-    monkeypatch.delenv("FULLCG_DISABLE_COMPILE_CACHE")
-    monkeypatch.setenv("FULLCG_CACHE_DIR", str(tmp_path / "env"))
-    assert cache_for(fullcg.FullCGConfig()).root == tmp_path / "env"
-    assert cache_for(fullcg.FullCGConfig(cache_dir=tmp_path / "mine")).root == tmp_path / "mine"
-    monkeypatch.delenv("FULLCG_CACHE_DIR")
-    assert cache_for(fullcg.FullCGConfig()).root == Path("~/.cache/fullcg").expanduser()
-    assert cache_for(fullcg.FullCGConfig(compile_cache=False)) is None
-    assert cache_for(fullcg.FullCGConfig(compiler="eager")) is None
-    monkeypatch.setenv("FULLCG_DISABLE_COMPILE_CACHE", "1")
-    assert cache_for(fullcg.FullCGConfig()) is None
-    monkeypatch.setenv("FULLCG_DISABLE_COMPILE_CACHE", "yes")
-    with pytest.raises(ValueError, match="FULLCG_DISABLE_COMPILE_CACHE must be 0 or 1"):
-        cache_for(fullcg.FullCGConfig())
+def test_host_facts_round_trip_and_refuse_what_is_not_theirs():
+    facts = HostFacts(vec_isa="avx2")
+    assert HostFacts.decode(facts.encode()) == facts
+    assert HostFacts.decode(HostFacts().encode()) == HostFacts()
+    assert HostFacts.decode(b'{"vec_isa": 3}') is None
+    assert HostFacts.decode(b"\xff") is None
 
 
-def _graph() -> torch.fx.GraphModule:
-    return torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+def test_a_known_instruction_set_skips_the_probe_only_inside_and_only_when_the_cpu_agrees(monkeypatch):
+    from torch._inductor import codecache, cpu_vec_isa
 
+    probes: list[str] = []
+    verdicts = cpu_vec_isa.VecISA._VecISA__bool__impl  # Inductor's per-process cache of probe results
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: probes.append(str(isa)) or True)
+    original, header = cpu_vec_isa.valid_vec_isa_list, codecache._precompile_header
+    try:
+        verdicts.cache_clear()
+        original.cache_clear()
+        best = str(cpu_vec_isa.pick_vec_isa())  # the CPU's best set (this fake probe passes every set)
+        assert probes, "a fresh process probes to pick"
+        verdicts.cache_clear()
+        original.cache_clear()
+        probes.clear()
+        compile_cache.reset_cache_stats()
+        with HostFacts(vec_isa=best).applied():
+            assert str(cpu_vec_isa.pick_vec_isa()) == best
+            assert codecache._precompile_header("any.h", "cmd") is None
+        assert probes == [] and compile_cache.cache_stats() == {"vec_isa_known": 1}
+        assert cpu_vec_isa.valid_vec_isa_list is original and codecache._precompile_header is header, "only inside"
+        assert original.cache_info().currsize == 0, "no unprobed list is left for later compiles"
 
-def test_the_key_covers_config_pass_uuid_and_inputs_but_not_where_files_go_or_whom_they_trust(tmp_path):
-    cache, gm, x = CompileCache(tmp_path), _graph(), torch.zeros(2, 4)
-    base = fullcg.FullCGConfig()
-    key = cache.key(gm, [x], base, "uuid-a")
-    assert cache.key(gm, [x], base.replace(dump_dir=str(tmp_path), cache_dir=str(tmp_path), trust_shared_cache=True),
-                     "uuid-a") == key
-    assert cache.key(gm, [x], base.replace(graph_mode="piecewise"), "uuid-a") != key
-    assert cache.key(gm, [x], base.replace(skip_softmax={"prefill_scale_factor": 1.0}), "uuid-a") != key
-    assert cache.key(gm, [x], base, "uuid-b") != key
-    assert cache.key(gm, [torch.zeros(3, 4)], base, "uuid-a") != key
-    assert cache.key(gm, [x.double()], base, "uuid-a") != key
-
-
-def test_the_key_covers_the_traced_source_files(tmp_path):
-    model_file = tmp_path / "model.py"
-    model_file.write_text("def f(x):\n    return x + 1\n")
-    gm = _graph()
-    next(iter(gm.graph.nodes)).meta["stack_trace"] = f'  File "{model_file}", line 2, in f\n    return x + 1\n'
-    assert str(model_file) in compile_cache.traced_source_files(gm)
-    cache, x, config = CompileCache(tmp_path), torch.zeros(2, 4), fullcg.FullCGConfig()
-    key = cache.key(gm, [x], config, "u")
-    model_file.write_text("def f(x):\n    return x + 2\n")
-    assert cache.key(gm, [x], config, "u") != key
+        with HostFacts(vec_isa="an instruction set this CPU does not have").applied():
+            assert cpu_vec_isa.valid_vec_isa_list is original, "another machine's fact: Inductor probes as usual"
+        with HostFacts().applied():
+            assert cpu_vec_isa.valid_vec_isa_list is original
+            assert codecache._precompile_header("any.h", "cmd") is None, "no header on a hit, whatever the facts"
+        assert compile_cache.cache_stats() == {"vec_isa_known": 1}
+    finally:  # no verdict of the fake probe outlives the test
+        verdicts.cache_clear()
+        original.cache_clear()

@@ -105,7 +105,9 @@ def test_the_first_process_traces_and_keeps_its_graph_for_warm_starts(cold):
 
 def test_a_second_process_steps_without_dynamo_tracing(cache, model_dir):
     result = _run(cache, model_dir)
-    assert result["fullcg"] == {"warm_hit": 1, "hit": 1}, "the graph from the warm entry, its pieces from the cache"
+    # The graph from the warm entry, its pieces from the cache, and the instruction set of
+    # their C++ kernels from the entry (no probe).
+    assert result["fullcg"] == {"warm_hit": 1, "hit": 1, "vec_isa_known": 1}
     assert result["dynamo_frames"] == 0, "Dynamo traced nothing"
     assert result["graphs"] == 1 and sum(result["steps"].values()) == 3
     assert "warning" not in result["stderr"].lower()
