@@ -126,8 +126,9 @@ def cache_stats() -> collections.Counter[str]:
     Per entry looked up, one of ``hit``, ``miss``, ``bad`` (corrupt, truncated or
     unloadable) and ``untrusted`` (it, or a directory above it, failed the ownership and
     permission check, or with ``FULLCG_CACHE_KEY`` set its signature did not verify); the
-    last two are warned about and compiled anew. Also ``store`` per entry written, and
-    ``inductor_private`` per compile whose Inductor cache was a private directory of this
+    last two are warned about and compiled anew. Also ``store`` per entry written,
+    ``vec_isa_known`` per hit that took the CPU's instruction set from the entry
+    (:class:`HostFacts`), and ``inductor_private`` per compile whose Inductor cache was a private directory of this
     process because ``inductor/`` failed the check or could not be written.
 
     Warm-start entries (:mod:`fullcg.warm_start`) count as ``warm_hit``, ``warm_miss``,
