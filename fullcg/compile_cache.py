@@ -50,6 +50,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import re
 import stat
 import sys
@@ -518,24 +519,30 @@ class HostFacts:
     """What compiling a graph taught Inductor about this machine that loading it would
     otherwise make Inductor learn again, once per process, before the first CPU piece runs.
 
-    ``vec_isa``: the vector instruction set Inductor chose for C++ kernels. To choose, it
-    compiles a test library per instruction set the CPU reports and loads each in a fresh
-    Python process (0.4 s on a 2-core host, every process); the loaded pieces' libraries
-    are already built for the set chosen here. A process that loads the entry takes the
-    set as proven when the CPU reports the same best set (no compile, no child process);
-    otherwise Inductor probes as usual.
+    ``vec_isa``: the vector instruction set Inductor chose, by probing, for C++ kernels. To
+    choose, it compiles a test library per instruction set the CPU reports and loads each
+    in a fresh Python process (0.4 s on a 2-core host, every process); the loaded pieces'
+    libraries are built for the set chosen here. A process that loads the entry offers
+    Inductor that set alone, unprobed, when its CPU reports it and the set's choice is that
+    one probe (AVX2 and the plain sets; not AVX-512, whose extensions are probed apart and
+    pick its build flags): the libraries' keys stay the entry's. Otherwise Inductor probes
+    as usual.
     """
 
     vec_isa: str | None = None
 
     @classmethod
     def learnt(cls) -> HostFacts:
-        """The facts this process has learnt so far (none it would have to learn for this)."""
+        """The facts this process has learnt so far by probing (none it would have to learn)."""
         isa_module = sys.modules.get("torch._inductor.cpu_vec_isa")
         probed = getattr(isa_module, "valid_vec_isa_list", None)
         if probed is None or not hasattr(probed, "cache_info") or probed.cache_info().currsize == 0:
             return cls()  # nothing chose an instruction set (no C++ kernels): nothing to keep
         try:
+            from torch._inductor import config as inductor_config
+
+            if inductor_config.cpp.vec_isa_ok is not None or inductor_config.is_fbcode():
+                return cls()  # the set was taken on trust, not probed: not a fact for another process
             return cls(vec_isa=str(isa_module.pick_vec_isa()))
         except Exception:  # noqa: BLE001 - a fact not kept is learnt again by the next process
             return cls()
@@ -570,7 +577,8 @@ class HostFacts:
         except ImportError:
             yield
             return
-        with contextlib.ExitStack() as stack:
+        # The swaps are process-wide: compiles from the cache in other threads wait.
+        with _swap_lock, contextlib.ExitStack() as stack:
             if callable(getattr(codecache, "_precompile_header", None)):
                 stack.enter_context(_swapped(codecache, "_precompile_header", _no_precompiled_header))
             proven = _proven_vec_isa_list(cpu_vec_isa, self.vec_isa) if self.vec_isa is not None else None
@@ -578,6 +586,9 @@ class HostFacts:
                 count("vec_isa_known")
                 stack.enter_context(_swapped(cpu_vec_isa, "valid_vec_isa_list", proven))
             yield
+
+
+_swap_lock = threading.RLock()
 
 
 def _no_precompiled_header(*args: Any, **kwargs: Any) -> None:
@@ -597,29 +608,31 @@ def _swapped(module: types.ModuleType, name: str, value: Any) -> Iterator[None]:
 
 
 def _proven_vec_isa_list(cpu_vec_isa: types.ModuleType, recorded: str) -> Callable[[], list[Any]] | None:
-    """A stand-in for Inductor's ``valid_vec_isa_list`` that does not probe, when the CPU's
-    best instruction set is ``recorded`` (see :class:`HostFacts`); None when Inductor
-    should probe as usual: the user chose (``TORCHINDUCTOR_VEC_ISA_OK``), this process
-    probed already, or the CPU or ``ATEN_CPU_CAPABILITY`` makes another choice."""
+    """A stand-in for Inductor's ``valid_vec_isa_list`` that offers only the x86 instruction
+    set ``recorded`` (see :class:`HostFacts`) without probing it; None when Inductor should
+    probe as usual: the user chose (``TORCHINDUCTOR_VEC_ISA_OK``, ``ATEN_CPU_CAPABILITY``,
+    ``cpp.simdlen``), this process probed already, this CPU does not report the set, or the
+    set's choice rests on more than the one probe (AVX-512 and its extensions run checks of
+    their own that also pick their build flags). Nothing here probes or calls ``bool()`` on
+    a set: that would leave verdicts in Inductor's per-process caches."""
     from torch._inductor import config as inductor_config
 
     probed = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
-    if (inductor_config.cpp.vec_isa_ok is not None or not hasattr(probed, "cache_clear")
-            or probed.cache_info().currsize):
+    base = getattr(cpu_vec_isa, "VecISA", None)
+    if (base is None or not hasattr(probed, "cache_info") or probed.cache_info().currsize
+            or inductor_config.cpp.vec_isa_ok is not None or inductor_config.cpp.simdlen is not None
+            or os.environ.get("ATEN_CPU_CAPABILITY") or platform.machine() not in ("x86_64", "AMD64")):
+        return None
+    isa = next((i for i in getattr(cpu_vec_isa, "supported_vec_isa_list", ()) if str(i) == recorded), None)
+    if isa is None or type(isa).__bool__ is not base.__bool__ or type(isa).build_arch_flags is not base.build_arch_flags:
         return None
     try:
-        # The CPU's sets, unprobed: what the probe keeps when the compiler builds them all.
-        # The config is patched only for this call, never while a key is computed.
-        with inductor_config.patch({"cpp.vec_isa_ok": True}):
-            isa_list = list(probed())
-            best = str(cpu_vec_isa.pick_vec_isa())
+        reported = cpu_vec_isa.x86_isa_checker()
     except Exception:  # noqa: BLE001 - a torch without this machinery probes as usual
         return None
-    finally:
-        probed.cache_clear()  # later compiles outside this one probe as usual
-    if best != recorded:
+    if not all(flag in reported for flag in recorded.split()):
         return None
-    return functools.cache(lambda: list(isa_list))
+    return functools.cache(lambda: [isa])
 
 
 @contextlib.contextmanager

@@ -43,6 +43,29 @@ def _run_worker(cache_dir: Path) -> dict:
     return _parse(proc, proc.stdout, proc.stderr)
 
 
+def _isa_taken_from_entries(entry: Path) -> bool:
+    """Whether a process loading ``entry`` takes its instruction set unprobed on this machine
+    (an x86 CPU whose best set is a plain one such as AVX2, not AVX-512: HostFacts)."""
+    from torch._inductor import cpu_vec_isa
+
+    payload = entry.read_bytes().split(b"\n", 4)[4]
+    recorded = HostFacts.decode(payload.partition(b"\n")[0]).vec_isa
+    proven = _proven(cpu_vec_isa, recorded) if recorded is not None else None
+    return proven is not None
+
+
+def _proven(cpu_vec_isa, recorded: str):
+    isa_list = cpu_vec_isa.valid_vec_isa_list
+    before = isa_list.cache_info().currsize
+    if before:
+        isa_list.cache_clear()  # as in a fresh process
+    try:
+        return compile_cache._proven_vec_isa_list(cpu_vec_isa, recorded)
+    finally:
+        if before:
+            isa_list.cache_clear()
+
+
 def _entries(cache_dir: Path) -> list[Path]:
     return sorted((cache_dir / "graphs").iterdir())
 
@@ -54,9 +77,15 @@ def test_a_second_process_loads_the_cache_and_bad_entries_are_recompiled(tmp_pat
     [entry] = _entries(tmp_path)
 
     second = _run_worker(tmp_path)
-    # The entry also told it the instruction set the first process proved for C++ kernels:
-    # it did not build and load a test library per instruction set again.
-    assert second["fullcg"] == {"hit": 1, "vec_isa_known": 1}
+    assert first["learnt"]["isa_probes"] > 0 and first["learnt"]["header_builds"] > 0
+    if _isa_taken_from_entries(entry):
+        # The entry told it the instruction set the first process probed for C++ kernels, and
+        # its libraries are built: no probe, no precompiled header.
+        assert second["fullcg"] == {"hit": 1, "vec_isa_known": 1}
+        assert second["learnt"] == {"isa_probes": 0, "header_builds": 0}
+    else:
+        assert second["fullcg"] == {"hit": 1}
+        assert second["learnt"]["header_builds"] == 0
     assert second["inductor"].get("fxgraph_cache_hit", 0) == 3 and "fxgraph_cache_miss" not in second["inductor"]
     assert "compile cache entry" not in second["stderr"]
 
@@ -117,35 +146,135 @@ def test_host_facts_round_trip_and_refuse_what_is_not_theirs():
     assert HostFacts.decode(b"\xff") is None
 
 
-def test_a_known_instruction_set_skips_the_probe_only_inside_and_only_when_the_cpu_agrees(monkeypatch):
-    from torch._inductor import codecache, cpu_vec_isa
+@pytest.fixture
+def vec_isa(monkeypatch):
+    """Inductor's instruction-set machinery with a fake probe that counts its calls, and no
+    verdict or list left behind for later tests."""
+    from torch._inductor import cpu_vec_isa
 
     probes: list[str] = []
-    verdicts = cpu_vec_isa.VecISA._VecISA__bool__impl  # Inductor's per-process cache of probe results
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: probes.append(str(isa)) or True)
-    original, header = cpu_vec_isa.valid_vec_isa_list, codecache._precompile_header
-    try:
-        verdicts.cache_clear()
-        original.cache_clear()
-        best = str(cpu_vec_isa.pick_vec_isa())  # the CPU's best set (this fake probe passes every set)
-        assert probes, "a fresh process probes to pick"
-        verdicts.cache_clear()
-        original.cache_clear()
-        probes.clear()
-        compile_cache.reset_cache_stats()
-        with HostFacts(vec_isa=best).applied():
-            assert str(cpu_vec_isa.pick_vec_isa()) == best
-            assert codecache._precompile_header("any.h", "cmd") is None
-        assert probes == [] and compile_cache.cache_stats() == {"vec_isa_known": 1}
-        assert cpu_vec_isa.valid_vec_isa_list is original and codecache._precompile_header is header, "only inside"
-        assert original.cache_info().currsize == 0, "no unprobed list is left for later compiles"
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    caches = [cpu_vec_isa.valid_vec_isa_list, cpu_vec_isa.VecISA._VecISA__bool__impl]
+    caches += [c.__bool__ for c in {type(i) for i in cpu_vec_isa.supported_vec_isa_list}
+               if hasattr(c.__bool__, "cache_clear")]
+    for cache in caches:
+        cache.cache_clear()
+    compile_cache.reset_cache_stats()
+    yield cpu_vec_isa, probes
+    for cache in caches:
+        cache.cache_clear()
 
-        with HostFacts(vec_isa="an instruction set this CPU does not have").applied():
-            assert cpu_vec_isa.valid_vec_isa_list is original, "another machine's fact: Inductor probes as usual"
-        with HostFacts().applied():
-            assert cpu_vec_isa.valid_vec_isa_list is original
-            assert codecache._precompile_header("any.h", "cmd") is None, "no header on a hit, whatever the facts"
-        assert compile_cache.cache_stats() == {"vec_isa_known": 1}
-    finally:  # no verdict of the fake probe outlives the test
-        verdicts.cache_clear()
-        original.cache_clear()
+
+def _cpu_reports(monkeypatch, cpu_vec_isa, *flags: str) -> None:
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: list(flags))
+    monkeypatch.setattr(compile_cache.platform, "machine", lambda: "x86_64")
+
+
+def test_a_recorded_avx2_is_offered_unprobed_inside_and_nothing_outside(vec_isa, monkeypatch):
+    from torch._inductor import codecache
+
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512f")  # a CPU with more than the entry's set
+    original, header = cpu_vec_isa.valid_vec_isa_list, codecache._precompile_header
+    with HostFacts(vec_isa="avx2").applied():
+        assert str(cpu_vec_isa.pick_vec_isa()) == "avx2", "the set the entry's libraries were built for"
+        assert codecache._precompile_header("any.h", "cmd") is None
+    assert probes == [] and compile_cache.cache_stats() == {"vec_isa_known": 1}
+    assert cpu_vec_isa.valid_vec_isa_list is original and codecache._precompile_header is header, "only inside"
+    assert original.cache_info().currsize == 0, "no list is left for later compiles"
+    assert str(cpu_vec_isa.pick_vec_isa()) != "" and probes, "outside, Inductor probes as usual"
+
+
+@pytest.mark.parametrize("recorded, flags, why", [
+    ("avx512", ("avx2", "avx512f"), "AVX-512's extensions are probed apart and pick its build flags"),
+    ("avx2", ("sse4_2",), "this CPU does not report the set"),
+    ("not a set", ("avx2",), "no such set"),
+])
+def test_other_recorded_sets_leave_the_probe_to_inductor_and_probe_nothing_themselves(vec_isa, monkeypatch, recorded,
+                                                                                       flags, why):
+    from torch._inductor import codecache
+
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, *flags)
+    original = cpu_vec_isa.valid_vec_isa_list
+    with HostFacts(vec_isa=recorded).applied():
+        assert cpu_vec_isa.valid_vec_isa_list is original, why
+        assert codecache._precompile_header("any.h", "cmd") is None, "no header on a hit, whatever the facts"
+    assert probes == [] and compile_cache.cache_stats() == {}
+    assert original.cache_info().currsize == 0
+
+
+@pytest.mark.parametrize("choice", ["TORCHINDUCTOR_VEC_ISA_OK", "ATEN_CPU_CAPABILITY", "simdlen"])
+def test_a_users_own_choice_of_instruction_set_wins(vec_isa, monkeypatch, choice):
+    import torch._inductor.config as inductor_config
+
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2")
+    settings = {"TORCHINDUCTOR_VEC_ISA_OK": {"cpp.vec_isa_ok": True}, "simdlen": {"cpp.simdlen": 256}}
+    if choice == "ATEN_CPU_CAPABILITY":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    original = cpu_vec_isa.valid_vec_isa_list
+    with inductor_config.patch(settings.get(choice, {})), HostFacts(vec_isa="avx2").applied():
+        assert cpu_vec_isa.valid_vec_isa_list is original
+    assert compile_cache.cache_stats() == {}
+
+
+def test_only_a_probed_instruction_set_is_recorded(vec_isa, monkeypatch):
+    import functools
+
+    import torch._inductor.config as inductor_config
+
+    cpu_vec_isa, _ = vec_isa
+    assert HostFacts.learnt() == HostFacts(), "nothing chose a set yet"
+    avx2 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx2")
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", functools.cache(lambda: [avx2]))
+    cpu_vec_isa.valid_vec_isa_list()  # Inductor chose, by probing
+    assert HostFacts.learnt() == HostFacts(vec_isa="avx2")
+    with inductor_config.patch({"cpp.vec_isa_ok": True}):
+        assert HostFacts.learnt() == HostFacts(), "taken on trust, not probed: no fact for another process"
+
+
+def test_the_cache_is_off_when_asked_or_when_nothing_is_compiled(monkeypatch, tmp_path):
+    monkeypatch.delenv("FULLCG_DISABLE_COMPILE_CACHE")
+    monkeypatch.setenv("FULLCG_CACHE_DIR", str(tmp_path / "env"))
+    assert cache_for(fullcg.FullCGConfig()).root == tmp_path / "env"
+    assert cache_for(fullcg.FullCGConfig(cache_dir=tmp_path / "mine")).root == tmp_path / "mine"
+    monkeypatch.delenv("FULLCG_CACHE_DIR")
+    assert cache_for(fullcg.FullCGConfig()).root == Path("~/.cache/fullcg").expanduser()
+    assert cache_for(fullcg.FullCGConfig(compile_cache=False)) is None
+    assert cache_for(fullcg.FullCGConfig(compiler="eager")) is None
+    monkeypatch.setenv("FULLCG_DISABLE_COMPILE_CACHE", "1")
+    assert cache_for(fullcg.FullCGConfig()) is None
+    monkeypatch.setenv("FULLCG_DISABLE_COMPILE_CACHE", "yes")
+    with pytest.raises(ValueError, match="FULLCG_DISABLE_COMPILE_CACHE must be 0 or 1"):
+        cache_for(fullcg.FullCGConfig())
+
+
+def _graph() -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+
+
+def test_the_key_covers_config_pass_uuid_and_inputs_but_not_where_files_go_or_whom_they_trust(tmp_path):
+    cache, gm, x = CompileCache(tmp_path), _graph(), torch.zeros(2, 4)
+    base = fullcg.FullCGConfig()
+    key = cache.key(gm, [x], base, "uuid-a")
+    assert cache.key(gm, [x], base.replace(dump_dir=str(tmp_path), cache_dir=str(tmp_path), trust_shared_cache=True),
+                     "uuid-a") == key
+    assert cache.key(gm, [x], base.replace(graph_mode="piecewise"), "uuid-a") != key
+    assert cache.key(gm, [x], base.replace(skip_softmax={"prefill_scale_factor": 1.0}), "uuid-a") != key
+    assert cache.key(gm, [x], base, "uuid-b") != key
+    assert cache.key(gm, [torch.zeros(3, 4)], base, "uuid-a") != key
+    assert cache.key(gm, [x.double()], base, "uuid-a") != key
+
+
+def test_the_key_covers_the_traced_source_files(tmp_path):
+    model_file = tmp_path / "model.py"
+    model_file.write_text("def f(x):\n    return x + 1\n")
+    gm = _graph()
+    next(iter(gm.graph.nodes)).meta["stack_trace"] = f'  File "{model_file}", line 2, in f\n    return x + 1\n'
+    assert str(model_file) in compile_cache.traced_source_files(gm)
+    cache, x, config = CompileCache(tmp_path), torch.zeros(2, 4), fullcg.FullCGConfig()
+    key = cache.key(gm, [x], config, "u")
+    model_file.write_text("def f(x):\n    return x + 2\n")
+    assert cache.key(gm, [x], config, "u") != key
