@@ -15,6 +15,7 @@ import torch
 import fullcg
 from fullcg import compile_cache
 from fullcg.compile_cache import CompileCache, HostFacts, cache_for
+from host_facts import isa_taken_from_entry
 
 WORKER = Path(__file__).with_name("compile_cache_worker.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -43,29 +44,6 @@ def _run_worker(cache_dir: Path) -> dict:
     return _parse(proc, proc.stdout, proc.stderr)
 
 
-def _isa_taken_from_entries(entry: Path) -> bool:
-    """Whether a process loading ``entry`` takes its instruction set unprobed on this machine
-    (an x86 CPU whose best set is a plain one such as AVX2, not AVX-512: HostFacts)."""
-    from torch._inductor import cpu_vec_isa
-
-    payload = entry.read_bytes().split(b"\n", 4)[4]
-    recorded = HostFacts.decode(payload.partition(b"\n")[0]).vec_isa
-    proven = _proven(cpu_vec_isa, recorded) if recorded is not None else None
-    return proven is not None
-
-
-def _proven(cpu_vec_isa, recorded: str):
-    isa_list = cpu_vec_isa.valid_vec_isa_list
-    before = isa_list.cache_info().currsize
-    if before:
-        isa_list.cache_clear()  # as in a fresh process
-    try:
-        return compile_cache._proven_vec_isa_list(cpu_vec_isa, recorded)
-    finally:
-        if before:
-            isa_list.cache_clear()
-
-
 def _entries(cache_dir: Path) -> list[Path]:
     return sorted((cache_dir / "graphs").iterdir())
 
@@ -78,7 +56,7 @@ def test_a_second_process_loads_the_cache_and_bad_entries_are_recompiled(tmp_pat
 
     second = _run_worker(tmp_path)
     assert first["learnt"]["isa_probes"] > 0 and first["learnt"]["header_builds"] > 0
-    if _isa_taken_from_entries(entry):
+    if isa_taken_from_entry(entry):
         # The entry told it the instruction set the first process probed for C++ kernels, and
         # its libraries are built: no probe, no precompiled header.
         assert second["fullcg"] == {"hit": 1, "vec_isa_known": 1}
