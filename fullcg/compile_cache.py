@@ -129,8 +129,9 @@ def cache_stats() -> collections.Counter[str]:
     permission check, or with ``FULLCG_CACHE_KEY`` set its signature did not verify); the
     last two are warned about and compiled anew. Also ``store`` per entry written,
     ``vec_isa_known`` per hit that took the CPU's instruction set from the entry
-    (:class:`HostFacts`), and ``inductor_private`` per compile whose Inductor cache was a private directory of this
-    process because ``inductor/`` failed the check or could not be written.
+    (:class:`HostFacts`), and ``inductor_private`` per compile whose Inductor cache was a
+    private directory of this process because ``inductor/`` failed the check or could not
+    be written.
 
     Warm-start entries (:mod:`fullcg.warm_start`) count as ``warm_hit``, ``warm_miss``,
     ``warm_bad``, ``warm_untrusted`` and ``warm_store``, and ``warm_stale`` for an entry
@@ -624,7 +625,8 @@ def _proven_vec_isa_list(cpu_vec_isa: types.ModuleType, recorded: str) -> Callab
             or os.environ.get("ATEN_CPU_CAPABILITY") or platform.machine() not in ("x86_64", "AMD64")):
         return None
     isa = next((i for i in getattr(cpu_vec_isa, "supported_vec_isa_list", ()) if str(i) == recorded), None)
-    if isa is None or type(isa).__bool__ is not base.__bool__ or type(isa).build_arch_flags is not base.build_arch_flags:
+    plain = isa is not None and all(getattr(type(isa), f) is getattr(base, f) for f in ("__bool__", "build_arch_flags"))
+    if not plain:
         return None
     try:
         reported = cpu_vec_isa.x86_isa_checker()

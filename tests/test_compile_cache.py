@@ -161,7 +161,8 @@ def test_a_recorded_avx2_is_offered_unprobed_inside_and_nothing_outside(vec_isa,
     assert probes == [] and compile_cache.cache_stats() == {"vec_isa_known": 1}
     assert cpu_vec_isa.valid_vec_isa_list is original and codecache._precompile_header is header, "only inside"
     assert original.cache_info().currsize == 0, "no list is left for later compiles"
-    assert str(cpu_vec_isa.pick_vec_isa()) != "" and probes, "outside, Inductor probes as usual"
+    cpu_vec_isa.pick_vec_isa()
+    assert probes, "outside, Inductor probes as usual"
 
 
 @pytest.mark.parametrize("recorded, flags, why", [
