@@ -51,14 +51,17 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / statistics.median(times[2:])
 
 
-def time_ms(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events), after warm-up."""
+def time_ms(fn, repeats: int, before=None) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events), after warm-up; ``before()``, when
+    given, is queued ahead of each timed call, outside the events."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before is not None:
+            before()
         start.record()
         fn()
         end.record()
