@@ -218,6 +218,29 @@ def test_explicit_split_counts_and_tiles_give_the_same_result():
         torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("q_scale", [1.0, 40.0], ids=["max-settles", "max-jumps"])
+def test_lazy_rescaling_gives_the_result_of_rescaling_every_tile(q_scale):
+    # Large scores make a row's running max grow by far more than the lazy threshold from
+    # tile to tile (the rescale is taken); small ones leave it within (weights against a stale max).
+    b = latent_batch(*BATCHES["mixed"], heads=8, seed=5)
+    q = b.q * q_scale
+    md = b.metadata
+    results = []
+    for lazy in (False, True):
+        out = torch.full((q.shape[0], 8, RANK), float("nan"), device=DEVICE)
+        lse = torch.empty(q.shape[:2], device=DEVICE)
+        launch = mla_kernels.plan_mla(q, b.cache.k, out, lse, query_start_loc=md.query_start_loc,
+                                      page_table=md.page_table, seq_lens=md.seq_lens, scale=b.layer.scale,
+                                      num_splits=3, block_n=16, lazy_rescale=lazy, workspace={})
+        assert launch.tuning.lazy_rescale is lazy
+        launch(q, b.cache.k, out, lse)
+        results.append((out, lse))
+    (out, lse), (lazy_out, lazy_lse) = results
+    assert torch.isfinite(lazy_out).all() and torch.isfinite(lazy_lse).all()
+    torch.testing.assert_close(lazy_out, out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lazy_lse, lse, atol=2e-5, rtol=2e-5)
+
+
 def test_runs_merged_in_the_kernel_leave_the_arrival_counts_at_zero():
     # The last run of a token merges and resets its count: one workspace serves every layer
     # of a step and every replay of a graph.
@@ -525,9 +548,12 @@ V3 = dict(rank=512, rope=64)
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("lazy", [False, True], ids=["rescale-every-tile", "lazy-rescale"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_deepseek_v3_sizes_match_the_reference_on_gpu(heads, dtype):
+def test_deepseek_v3_sizes_match_the_reference_on_gpu(heads, dtype, lazy, monkeypatch):
+    default = mla_kernels.default_tuning
+    monkeypatch.setattr(mla_kernels, "default_tuning", lambda *a: default(*a)._replace(lazy_rescale=lazy))
     b = latent_batch([1, 1, 300, 1, 40, 1], [4000, 70, 0, 9000, 1500, 1], heads=heads, page_size=64, dtype=dtype,
                      seed=heads, spare_pages=0, **V3)
     ref_out, ref_lse = run(b, "reference")
