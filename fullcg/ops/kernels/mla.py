@@ -89,7 +89,8 @@ def _sm_count(device: torch.device) -> int:
 
 @triton.jit
 def _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs_r, qk_scale2,
-                 RANK: tl.constexpr, MASK: tl.constexpr, DOT_F32: tl.constexpr, LAZY: tl.constexpr):
+                 RANK: tl.constexpr, MASK: tl.constexpr, DOT_F32: tl.constexpr, LAZY: tl.constexpr,
+                 KEYS_AS_ROWS: tl.constexpr):
     """One tile of keys: the latent and rope tiles, scores, online softmax, P times the latent tile."""
     base = KV + offs[:, None]
     if MASK:
@@ -99,7 +100,16 @@ def _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs
     else:
         k_lat = tl.load(base + offs_l[None, :])
         k_pe = tl.load(base + RANK + offs_r[None, :])
-    if DOT_F32:
+    if KEYS_AS_ROWS:
+        # K Q^T: the keys are the MMA's rows. On Hopper a [BLOCK_H, BLOCK_N] score tile of
+        # 64 heads is laid out on both warpgroups at once (each computes all of it, at 16-32
+        # columns an instruction); [128 keys, 64 heads] gives each warpgroup its own 64 keys.
+        if DOT_F32:
+            s = tl.dot(k_lat, tl.trans(q_lat), input_precision="ieee")
+            s = tl.trans(tl.dot(k_pe, tl.trans(q_pe), s, input_precision="ieee"))
+        else:
+            s = tl.trans(tl.dot(k_pe, tl.trans(q_pe), tl.dot(k_lat, tl.trans(q_lat))))
+    elif DOT_F32:
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
     else:
@@ -158,7 +168,7 @@ def _mla_kernel(
     NUM_HEADS: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_BLOCK: tl.constexpr, UNROLL: tl.constexpr, DOT_F32: tl.constexpr,
-    SAVE: tl.constexpr, LAZY: tl.constexpr,
+    SAVE: tl.constexpr, LAZY: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hb = pid % NUM_HEAD_BLOCKS  # fastest: the head blocks of one run read the same keys together
@@ -217,11 +227,11 @@ def _mla_kernel(
     for tile in range(first, n_full):
         offs, pos = kv_offsets(page_row, 0, tile * BLOCK_N, kv_len, stride_kp, stride_ks, True, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs_r, qk_scale2,
-                                     RANK, False, DOT_F32, LAZY)
+                                     RANK, False, DOT_F32, LAZY, KEYS_AS_ROWS)
     for tile in range(tl.maximum(n_full, first), last):
         offs, pos = kv_offsets(page_row, 0, tile * BLOCK_N, kv_len, stride_kp, stride_ks, True, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs_r, qk_scale2,
-                                     RANK, True, DOT_F32, LAZY)
+                                     RANK, True, DOT_F32, LAZY, KEYS_AS_ROWS)
 
     o = acc / l_i[:, None]  # l_i >= 1: the row's largest score counts exp2(0)
     lse2 = m_i + tl.log2(l_i)
@@ -295,6 +305,7 @@ class MLATuning(NamedTuple):
     num_warps: int
     num_stages: int
     lazy_rescale: bool = False  # rescale the accumulator only when a row's max grew by 2**8 or more
+    keys_as_rows: bool = False  # scores as K Q^T (keys the MMA's rows), transposed for the softmax
 
 
 def default_tuning(num_heads: int, dtype: torch.dtype, device: torch.device) -> MLATuning:
@@ -377,11 +388,12 @@ def plan_mla(
     num_warps: int | None = None,
     num_stages: int | None = None,
     lazy_rescale: bool | None = None,
+    keys_as_rows: bool | None = None,
 ) -> MLALaunch:
     """Plan the MLA kernel for calls shaped like these tensors (see :func:`mla_attention`).
 
     ``block_h`` (heads per program), ``block_n`` (keys per tile), ``num_warps``,
-    ``num_stages`` and ``lazy_rescale`` default to :func:`default_tuning`; ``num_splits`` (most runs per token)
+    ``num_stages``, ``lazy_rescale`` and ``keys_as_rows`` default to :func:`default_tuning`; ``num_splits`` (most runs per token)
     to about ``programs_per_sm`` programs per SM, at most :data:`MAX_SPLITS`.
     """
     rank, rope = _check_layout(q, kv, out, lse)
@@ -390,7 +402,8 @@ def plan_mla(
     tuning = default_tuning(num_heads, q.dtype, q.device)
     tuning = MLATuning(block_h or tuning.block_h, block_n or tuning.block_n, num_warps or tuning.num_warps,
                        num_stages or tuning.num_stages,
-                       tuning.lazy_rescale if lazy_rescale is None else bool(lazy_rescale))
+                       tuning.lazy_rescale if lazy_rescale is None else bool(lazy_rescale),
+                       tuning.keys_as_rows if keys_as_rows is None else bool(keys_as_rows))
     if not _pow2_at_least_16(tuning.block_h) or not _pow2_at_least_16(tuning.block_n):
         raise ValueError(f"block_h and block_n must be powers of two >= 16 (tl.dot's smallest tile), got {tuning}")
     head_blocks = triton.cdiv(num_heads, tuning.block_h)
@@ -436,7 +449,7 @@ def plan_mla(
         scale * _LOG2E, MIN_RUN_SCALE, num_splits, num_requests,
     )
     constexprs = (num_heads, head_blocks, rank, rope, tuning.block_h, tuning.block_n, page_size, REQUEST_BLOCK,
-                  MAX_SPLITS, min(MERGE_D, rank), MERGE_UNROLL, q.dtype == torch.float32, save, tuning.lazy_rescale)
+                  MAX_SPLITS, min(MERGE_D, rank), MERGE_UNROLL, q.dtype == torch.float32, save, tuning.lazy_rescale, tuning.keys_as_rows)
     grid = (head_blocks * num_splits * tokens, 1, 1)
     launch = _MLA.plan(grid, (q, kv, out, lse, k_new, v_new), tail, constexprs, tuning.num_warps, tuning.num_stages)
     return MLALaunch(launch, save, num_splits, tuning)
