@@ -127,9 +127,7 @@ def compile_only(heads: int, opts: dict[str, int | None]) -> dict[str, object]:
 
     tuning = mla_kernels.default_tuning(heads, torch.bfloat16, torch.device("cuda"))
     tuning = mla_kernels.MLATuning(*(opts.get(name) or default for name, default in zip(
-        ("block_h", "block_n", "num_warps", "num_stages"), tuning)),
-        tuning.lazy_rescale if opts.get("lazy_rescale") is None else bool(opts["lazy_rescale"]),
-        tuning.keys_as_rows if opts.get("keys_as_rows") is None else bool(opts["keys_as_rows"]))
+        ("block_h", "block_n", "num_warps", "num_stages"), tuning)))
     fn = mla_kernels._mla_kernel
     params = list(inspect.signature(fn.fn).parameters)
     pointers = {"Q": "bf16", "KV": "bf16", "Out": "bf16", "Lse": "fp32", "KNew": "bf16", "VNew": "bf16",
@@ -138,8 +136,7 @@ def compile_only(heads: int, opts: dict[str, int | None]) -> dict[str, object]:
     constexprs = dict(NUM_HEADS=heads, NUM_HEAD_BLOCKS=triton.cdiv(heads, tuning.block_h), RANK=RANK, ROPE=ROPE,
                       BLOCK_H=tuning.block_h, BLOCK_N=tuning.block_n, PAGE_SIZE=PAGE, BLOCK_R=mla_kernels.REQUEST_BLOCK,
                       BLOCK_S=mla_kernels.MAX_SPLITS, MERGE_BLOCK=mla_kernels.MERGE_D, UNROLL=mla_kernels.MERGE_UNROLL,
-                      DOT_F32=False, SAVE=True, LAZY=tuning.lazy_rescale,
-                      KEYS_AS_ROWS=tuning.keys_as_rows)
+                      DOT_F32=False, SAVE=True)
     signature = {p: "*" + pointers[p] if p in pointers else "constexpr" if p in constexprs
                  else "fp32" if p in ("qk_scale2", "min_run_scale") else "i32" for p in params}
     # What Triton specialises at launch: 16-byte aligned tensors, strides that are multiples of 16.
@@ -174,16 +171,12 @@ def main() -> None:
     ap.add_argument("--num-stages", type=int, nargs="+", default=[None])
     ap.add_argument("--num-splits", type=int, nargs="+", default=[None])
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[mla_kernels.PROGRAMS_PER_SM])
-    ap.add_argument("--lazy-rescale", type=int, nargs="+", default=[None], choices=[0, 1],
-                    help="rescale the accumulator only when a row's max grew by 2**8 (1) or every tile (0)")
-    ap.add_argument("--keys-as-rows", type=int, nargs="+", default=[None], choices=[0, 1],
-                    help="scores as K Q^T, keys the MMA's rows (1), or Q K^T (0)")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 and print resources; no GPU needed")
     args = ap.parse_args()
     if args.compile_only:
         for heads, combo in itertools.product(args.heads, itertools.product(
-                args.block_h, args.block_n, args.num_warps, args.num_stages, args.lazy_rescale, args.keys_as_rows)):
-            opts = dict(zip(("block_h", "block_n", "num_warps", "num_stages", "lazy_rescale", "keys_as_rows"), combo))
+                args.block_h, args.block_n, args.num_warps, args.num_stages)):
+            opts = dict(zip(("block_h", "block_n", "num_warps", "num_stages"), combo))
             try:
                 print(json.dumps(compile_only(heads, opts)), flush=True)
             except Exception as exc:  # a launch shape that does not compile
@@ -195,11 +188,9 @@ def main() -> None:
     print(json.dumps({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                       "copy_tb_per_s": round(bandwidth / 1e12, 3), "rank": RANK, "rope": ROPE, "page": PAGE}),
           flush=True)
-    options = [dict(zip(("block_h", "block_n", "num_warps", "num_stages", "num_splits", "programs_per_sm",
-                         "lazy_rescale", "keys_as_rows"), combo))
+    options = [dict(zip(("block_h", "block_n", "num_warps", "num_stages", "num_splits", "programs_per_sm"), combo))
                for combo in itertools.product(args.block_h, args.block_n, args.num_warps, args.num_stages,
-                                              args.num_splits, args.programs_per_sm, args.lazy_rescale,
-                                              args.keys_as_rows)]
+                                              args.num_splits, args.programs_per_sm)]
     for heads, batch, context in itertools.product(args.heads, args.batches, args.contexts):
         bench_shape(heads, batch, context, options, bandwidth, dev)
 

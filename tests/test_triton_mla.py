@@ -218,29 +218,16 @@ def test_explicit_split_counts_and_tiles_give_the_same_result():
         torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("option", ["lazy_rescale", "keys_as_rows"])
-@pytest.mark.parametrize("q_scale", [1.0, 40.0], ids=["max-settles", "max-jumps"])
-def test_launch_options_give_the_result_of_the_default_launch(q_scale, option):
-    # lazy_rescale: large scores make a row's running max grow by far more than the lazy
-    # threshold from tile to tile (the rescale is taken); small ones leave it within
-    # (weights against a stale max). keys_as_rows: the scores transposed back for the softmax.
-    b = latent_batch(*BATCHES["mixed"], heads=8, seed=5)
-    q = b.q * q_scale
-    md = b.metadata
-    results = []
-    for on in (False, True):
-        out = torch.full((q.shape[0], 8, RANK), float("nan"), device=DEVICE)
-        lse = torch.empty(q.shape[:2], device=DEVICE)
-        launch = mla_kernels.plan_mla(q, b.cache.k, out, lse, query_start_loc=md.query_start_loc,
-                                      page_table=md.page_table, seq_lens=md.seq_lens, scale=b.layer.scale,
-                                      num_splits=3, block_n=16, workspace={}, **{option: on})
-        assert getattr(launch.tuning, option) is on
-        launch(q, b.cache.k, out, lse)
-        results.append((out, lse))
-    (out, lse), (opt_out, opt_lse) = results
-    assert torch.isfinite(opt_out).all() and torch.isfinite(opt_lse).all()
-    torch.testing.assert_close(opt_out, out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(opt_lse, lse, atol=2e-5, rtol=2e-5)
+@pytest.mark.parametrize("shared_memory, block_n", [(232448, 64), (167936, 32), (0, 32)],
+                         ids=["hopper", "less-shared-memory", "unknown"])
+def test_default_tiles_are_64_keys_where_two_stages_of_them_fit_in_shared_memory(shared_memory, block_n, monkeypatch):
+    monkeypatch.setattr(mla_kernels, "_shared_memory", lambda device: shared_memory)
+    cuda = torch.device("cuda", 0)
+    assert mla_kernels.default_tuning(128, torch.bfloat16, cuda) == mla_kernels.MLATuning(64, block_n, 8, 2)
+    assert mla_kernels.default_tuning(16, torch.bfloat16, cuda) == mla_kernels.MLATuning(16, block_n, 4, 2)
+    # fp32 and the CPU keep their small tiles whatever the device holds.
+    assert mla_kernels.default_tuning(128, torch.float32, cuda) == mla_kernels.MLATuning(16, 16, 4, 1)
+    assert mla_kernels.default_tuning(128, torch.bfloat16, torch.device("cpu")) == mla_kernels.MLATuning(16, 16, 4, 1)
 
 
 def test_runs_merged_in_the_kernel_leave_the_arrival_counts_at_zero():
@@ -550,13 +537,9 @@ V3 = dict(rank=512, rope=64)
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("option", [None, "lazy_rescale", "keys_as_rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_deepseek_v3_sizes_match_the_reference_on_gpu(heads, dtype, option, monkeypatch):
-    if option is not None:  # the default launch with one option switched on
-        default = mla_kernels.default_tuning
-        monkeypatch.setattr(mla_kernels, "default_tuning", lambda *a: default(*a)._replace(**{option: True}))
+def test_deepseek_v3_sizes_match_the_reference_on_gpu(heads, dtype):
     b = latent_batch([1, 1, 300, 1, 40, 1], [4000, 70, 0, 9000, 1500, 1], heads=heads, page_size=64, dtype=dtype,
                      seed=heads, spare_pages=0, **V3)
     ref_out, ref_lse = run(b, "reference")

@@ -190,19 +190,15 @@ def _decode_kernel(
                 _store_empty_row(Out, Lse, row64, head, offs_dv, row_ok, stride_ot, stride_oh, stride_lt,
                                  BLOCK_M, HEAD_DV)
         return
-    # The request's facts are loaded together before any is used: each use waits for its
-    # load, and a wait per load in turn is a memory round trip each at one token a request.
-    is_decode = tl.load(IsDecode + req)
+    if tl.load(IsDecode + req) == 0:
+        return  # the prefill kernel's request
     q_row = tl.load(QLoc + req).to(tl.int64)
-    num_tokens = tl.load(NumTokens)
     if PAGED:
         kv_len = tl.load(SeqLens + req)
         kv_start = 0
     else:
         kv_start = tl.load(KvLoc + req)
         kv_len = tl.load(KvLoc + req + 1) - kv_start
-    if is_decode == 0:
-        return  # the prefill kernel's request
     n_tiles = tl.cdiv(kv_len, BLOCK_N)
     # The runs cover tiles [first_tile, n_tiles): all of them, or the window's.
     first_tile = 0
@@ -218,7 +214,7 @@ def _decode_kernel(
     # At most the grid's runs (more only with keys past max_kv_len, which metadata refuses):
     # a run counted here but never launched would leave its arrival count short for good.
     n_splits = tl.minimum(tl.cdiv(n_tiles - first_tile, split_tiles), tl.num_programs(0))
-    if (q_row >= num_tokens) | (n_splits == 0):
+    if (q_row >= tl.load(NumTokens)) | (n_splits == 0):
         # A stand-in request past the real token count, or no keys at all: zeros, LSE -inf.
         if split == 0:
             _store_empty_row(Out, Lse, q_row, head, offs_dv, row_ok, stride_ot, stride_oh, stride_lt,
@@ -228,9 +224,6 @@ def _decode_kernel(
     if first >= n_tiles:
         return
     last = tl.minimum(first + split_tiles, n_tiles)
-    # The query's load is in flight while the new key is saved (it does not read the cache).
-    q = tl.load(Q + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=with_cols(row_ok[:, None], offs_d, HEAD_D), other=0.0)
     if SAVE:
         if last == n_tiles:
             # This run holds the newest key (the request's own token): put it in the cache first.
@@ -254,6 +247,8 @@ def _decode_kernel(
         row_lo = tl.zeros([BLOCK_M], dtype=tl.int32) + lo
         t_inner = tl.minimum(tl.maximum(tl.cdiv(lo, BLOCK_N), first), last)
         n_full = tl.maximum(n_full, t_inner)
+    q = tl.load(Q + q_row * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=with_cols(row_ok[:, None], offs_d, HEAD_D), other=0.0)
 
     log2_lam = 0.0
     if SKIP:

@@ -75,9 +75,6 @@ REQUEST_BLOCK = 256
 MERGE_D = 128
 #: Runs whose partial outputs the merge has in flight at once.
 MERGE_UNROLL = 4
-#: With lazy rescaling (:class:`MLATuning`), how far (log2) a row's max may grow before the
-#: accumulator is rescaled: weights stay at most 2**8 = 256, far inside fp32 and bf16.
-LAZY_RESCALE_LOG2: tl.constexpr = tl.constexpr(8.0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,8 +86,7 @@ def _sm_count(device: torch.device) -> int:
 
 @triton.jit
 def _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs_r, qk_scale2,
-                 RANK: tl.constexpr, MASK: tl.constexpr, DOT_F32: tl.constexpr, LAZY: tl.constexpr,
-                 KEYS_AS_ROWS: tl.constexpr):
+                 RANK: tl.constexpr, MASK: tl.constexpr, DOT_F32: tl.constexpr):
     """One tile of keys: the latent and rope tiles, scores, online softmax, P times the latent tile."""
     base = KV + offs[:, None]
     if MASK:
@@ -100,16 +96,7 @@ def _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs
     else:
         k_lat = tl.load(base + offs_l[None, :])
         k_pe = tl.load(base + RANK + offs_r[None, :])
-    if KEYS_AS_ROWS:
-        # K Q^T: the keys are the MMA's rows. On Hopper a [BLOCK_H, BLOCK_N] score tile of
-        # 64 heads is laid out on both warpgroups at once (each computes all of it, at 16-32
-        # columns an instruction); [128 keys, 64 heads] gives each warpgroup its own 64 keys.
-        if DOT_F32:
-            s = tl.dot(k_lat, tl.trans(q_lat), input_precision="ieee")
-            s = tl.trans(tl.dot(k_pe, tl.trans(q_pe), s, input_precision="ieee"))
-        else:
-            s = tl.trans(tl.dot(k_pe, tl.trans(q_pe), tl.dot(k_lat, tl.trans(q_lat))))
-    elif DOT_F32:
+    if DOT_F32:
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
     else:
@@ -120,24 +107,6 @@ def _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs
         s = tl.where((pos < kv_len)[None, :], s, float("-inf"))
     # Every tile of a run holds a key the token sees, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if LAZY:
-        # The running max moves only when some row's grew past LAZY_RESCALE_LOG2: until then
-        # the weights are taken against a max up to that much below the true one (at most
-        # 2**LAZY_RESCALE_LOG2, exact in fp32 and in bf16's exponent), which the final
-        # acc / l_i and m_i + log2(l_i) cancel. A tile then costs no [BLOCK_H, RANK]
-        # rescale of the accumulator, and P.V accumulates into it in place.
-        if tl.max(m_new - m_i, 0) > LAZY_RESCALE_LOG2:
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i += tl.sum(p, 1)
-        if DOT_F32:
-            acc = tl.dot(p, k_lat, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(k_lat.dtype), k_lat, acc)
-        return m_i, l_i, acc
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -168,7 +137,7 @@ def _mla_kernel(
     NUM_HEADS: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_BLOCK: tl.constexpr, UNROLL: tl.constexpr, DOT_F32: tl.constexpr,
-    SAVE: tl.constexpr, LAZY: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+    SAVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hb = pid % NUM_HEAD_BLOCKS  # fastest: the head blocks of one run read the same keys together
@@ -227,11 +196,11 @@ def _mla_kernel(
     for tile in range(first, n_full):
         offs, pos = kv_offsets(page_row, 0, tile * BLOCK_N, kv_len, stride_kp, stride_ks, True, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs_r, qk_scale2,
-                                     RANK, False, DOT_F32, LAZY, KEYS_AS_ROWS)
+                                     RANK, False, DOT_F32)
     for tile in range(tl.maximum(n_full, first), last):
         offs, pos = kv_offsets(page_row, 0, tile * BLOCK_N, kv_len, stride_kp, stride_ks, True, PAGE_SIZE, BLOCK_N)
         m_i, l_i, acc = _latent_tile(q_lat, q_pe, m_i, l_i, acc, KV, offs, pos, kv_len, offs_l, offs_r, qk_scale2,
-                                     RANK, True, DOT_F32, LAZY, KEYS_AS_ROWS)
+                                     RANK, True, DOT_F32)
 
     o = acc / l_i[:, None]  # l_i >= 1: the row's largest score counts exp2(0)
     lse2 = m_i + tl.log2(l_i)
@@ -304,8 +273,6 @@ class MLATuning(NamedTuple):
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
-    lazy_rescale: bool = False  # rescale the accumulator only when a row's max grew by 2**8 or more
-    keys_as_rows: bool = False  # scores as K Q^T (keys the MMA's rows), transposed for the softmax
 
 
 def default_tuning(num_heads: int, dtype: torch.dtype, device: torch.device) -> MLATuning:
@@ -315,15 +282,28 @@ def default_tuning(num_heads: int, dtype: torch.dtype, device: torch.device) -> 
     L2 after the first), so at 128 heads blocks of 16 would move 8x the cache's bytes
     through L2, more than its bandwidth serves at DRAM speed; 64 moves 2x. An
     accumulator [BLOCK_H, RANK] fp32 of 32 heads or more takes 8 warps (64 x 512 is 128
-    registers a thread at 8 warps). Keys per tile: 32 (32 keys of 576 two-byte values are
-    36 KiB of shared memory; two stages in flight, beside a [64, 576] q tile of 72 KiB). fp32 (no tensor cores at full
+    registers a thread at 8 warps). Keys per tile: 64, two stages in flight (64 keys of
+    576 two-byte values are 72 KiB of shared memory a stage, beside a [64, 576] q tile of
+    72 KiB: 216 KiB, which Hopper's 227 KiB holds; a device with less takes 32-key tiles). On an H100, 64-key tiles against 32 took 606 against 846 us at 128 heads,
+    batch 64, 8k keys, and 53-225 against 62-231 us at 16 heads, batch 1-64
+    (``benchmarks/mla_kernel.py``; docs/benchmarks.md). fp32 (no tensor cores at full
     precision, operands in registers) and the CPU interpreter take 16 heads and 16 keys.
-    To be tuned on the GPU (``benchmarks/mla_kernel.py``).
     """
     if device.type != "cuda" or dtype == torch.float32:
         return MLATuning(16, 16, 4, 1)
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
-    return MLATuning(block_h, 32, 8 if block_h >= 32 else 4, 2)
+    block_n = 64 if _shared_memory(device) >= _TWO_STAGES_OF_64_KEYS else 32
+    return MLATuning(block_h, block_n, 8 if block_h >= 32 else 4, 2)
+
+
+#: Shared memory (bytes) of 64-head programs with two stages of 64-key tiles, as compiled for sm_90.
+_TWO_STAGES_OF_64_KEYS = 221184
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory one program may opt into on ``device`` (bytes; 0 where torch does not say)."""
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0))
 
 
 class MLALaunch:
@@ -387,13 +367,11 @@ def plan_mla(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    lazy_rescale: bool | None = None,
-    keys_as_rows: bool | None = None,
 ) -> MLALaunch:
     """Plan the MLA kernel for calls shaped like these tensors (see :func:`mla_attention`).
 
-    ``block_h`` (heads per program), ``block_n`` (keys per tile), ``num_warps``,
-    ``num_stages``, ``lazy_rescale`` and ``keys_as_rows`` default to :func:`default_tuning`; ``num_splits`` (most runs per token)
+    ``block_h`` (heads per program), ``block_n`` (keys per tile), ``num_warps`` and
+    ``num_stages`` default to :func:`default_tuning`; ``num_splits`` (most runs per token)
     to about ``programs_per_sm`` programs per SM, at most :data:`MAX_SPLITS`.
     """
     rank, rope = _check_layout(q, kv, out, lse)
@@ -401,9 +379,7 @@ def plan_mla(
     page_size = kv.shape[1]
     tuning = default_tuning(num_heads, q.dtype, q.device)
     tuning = MLATuning(block_h or tuning.block_h, block_n or tuning.block_n, num_warps or tuning.num_warps,
-                       num_stages or tuning.num_stages,
-                       tuning.lazy_rescale if lazy_rescale is None else bool(lazy_rescale),
-                       tuning.keys_as_rows if keys_as_rows is None else bool(keys_as_rows))
+                       num_stages or tuning.num_stages)
     if not _pow2_at_least_16(tuning.block_h) or not _pow2_at_least_16(tuning.block_n):
         raise ValueError(f"block_h and block_n must be powers of two >= 16 (tl.dot's smallest tile), got {tuning}")
     head_blocks = triton.cdiv(num_heads, tuning.block_h)
@@ -449,7 +425,7 @@ def plan_mla(
         scale * _LOG2E, MIN_RUN_SCALE, num_splits, num_requests,
     )
     constexprs = (num_heads, head_blocks, rank, rope, tuning.block_h, tuning.block_n, page_size, REQUEST_BLOCK,
-                  MAX_SPLITS, min(MERGE_D, rank), MERGE_UNROLL, q.dtype == torch.float32, save, tuning.lazy_rescale, tuning.keys_as_rows)
+                  MAX_SPLITS, min(MERGE_D, rank), MERGE_UNROLL, q.dtype == torch.float32, save)
     grid = (head_blocks * num_splits * tokens, 1, 1)
     launch = _MLA.plan(grid, (q, kv, out, lse, k_new, v_new), tail, constexprs, tuning.num_warps, tuning.num_stages)
     return MLALaunch(launch, save, num_splits, tuning)
