@@ -284,7 +284,8 @@ def default_tuning(num_heads: int, dtype: torch.dtype, device: torch.device) -> 
     accumulator [BLOCK_H, RANK] fp32 of 32 heads or more takes 8 warps (64 x 512 is 128
     registers a thread at 8 warps). Keys per tile: 64, two stages in flight (64 keys of
     576 two-byte values are 72 KiB of shared memory a stage, beside a [64, 576] q tile of
-    72 KiB: 216 KiB, which Hopper's 227 KiB holds; a device with less takes 32-key tiles). On an H100, 64-key tiles against 32 took 606 against 846 us at 128 heads,
+    72 KiB: 216 KiB, which Hopper's 227 KiB holds; a device with less takes 32-key
+    tiles). On an H100, 64-key tiles against 32 took 606 against 846 us at 128 heads,
     batch 64, 8k keys, and 53-225 against 62-231 us at 16 heads, batch 1-64
     (``benchmarks/mla_kernel.py``; docs/benchmarks.md). fp32 (no tensor cores at full
     precision, operands in registers) and the CPU interpreter take 16 heads and 16 keys.
