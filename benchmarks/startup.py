@@ -24,7 +24,9 @@ build the model and put its weights on the device, which is reported apart as
   Inductor), fresh directories.
 
 The output holds the medians over ``--repeats`` (``cold_s``, ``warm_s``, ``no_compiler_s``,
-``no_compiler_warm_s``, ``compiler_eager_s``, ``weights_s``), the breakdown of each kind's
+``no_compiler_warm_s``, ``compiler_eager_s``, ``weights_s``), the floor every engine pays
+(``floor_s``: import torch, the CUDA context and the weights) and each kind's time over it
+(``cold_over_floor_s`` and so on: each run's whole time less its own process's floor), the breakdown of each kind's
 median run (``breakdown``) and every run (``runs``). ``--cpu-tiny`` also measures the tiny model on the CPU of the same
 machine and stores it, with the same keys, under ``cpu_tiny``.
 
@@ -198,6 +200,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     run.update({
         "total_s": total,
         "startup_s": total - run["weights_s"],
+        # What every engine pays before any of fullcg's work: import torch, the CUDA context and
+        # the weights; a kind's time over it is fullcg's and the compiler's share.
+        "floor_s": (floor := run["import_torch_s"] + run["cuda_init_s"] + run["weights_s"]),
+        "over_floor_s": total - floor,
         # Dynamo's own share of compiling a frame: tracing, guards, bookkeeping (not the backend).
         "dynamo_s": frame_s - backend_s,
         "backend_s": backend_s,
@@ -451,9 +457,12 @@ def _measure(args: argparse.Namespace, device: str, model: str) -> dict[str, Any
         # On a shared machine other work stretches every figure: the load says how much there was.
         "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
     }
+    result["floor_s"] = round(statistics.median(r["floor_s"] for r in runs), 3)
     for kind in KINDS:
         value = median(kind, "startup_s")
         result[f"{kind}_s"] = None if value is None else round(value, 3)
+        over = median(kind, "over_floor_s")  # each run against its own process's floor
+        result[f"{kind}_over_floor_s"] = None if over is None else round(over, 3)
         if kind in unsupported:
             result[f"{kind}_reason"] = unsupported[kind]
         elif value is None:
@@ -469,8 +478,11 @@ def _print_summary(result: dict[str, Any]) -> None:
           f"capture sizes {result['capture_sizes']}, torch {result['torch']}, median of {result['repeats']}:")
     for kind in KINDS:
         value = result[f"{kind}_s"]
-        print(f"  {kind:15s} " + (f"{value:7.2f} s" if value is not None else f"    n/a  ({result[f'{kind}_reason']})"))
+        over = result[f"{kind}_over_floor_s"]
+        print(f"  {kind:15s} " + (f"{value:7.2f} s  (floor + {over:.2f} s)" if value is not None
+                                   else f"    n/a  ({result[f'{kind}_reason']})"))
     print(f"  {'weights (apart)':15s} {result['weights_s']:7.2f} s")
+    print(f"  {'floor':15s} {result['floor_s']:7.2f} s  (import torch, CUDA context, weights)")
 
 
 def main() -> None:

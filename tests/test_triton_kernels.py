@@ -24,6 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed; `pip install trit
 import fullcg  # noqa: E402
 from fullcg import runner  # noqa: E402
 import fullcg.ops.impl.triton  # noqa: E402,F401  (registers the "triton" implementation)
+import fullcg.ops.device_facts  # noqa: E402
 from fullcg import telemetry  # noqa: E402
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig  # noqa: E402
 from fullcg.metadata import ForwardMode  # noqa: E402
@@ -186,7 +187,7 @@ def test_dense_decode_divides_each_request_into_its_own_runs(num_splits):
 @pytest.mark.parametrize("use_kv_cache", [True, False], ids=["cache", "ragged"])
 def test_dense_decode_spread_over_many_sms_matches_the_reference(monkeypatch, use_kv_cache):
     # The CPU reports one SM, so the layer path would use one run; pretend to be an H200.
-    monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(fullcg.ops.device_facts, "sm_count", lambda device: 132)
     assert_same(batch("mixed"), SkipSoftmaxConfig(**TILES), use_kv_cache=use_kv_cache)
     assert_same(batch("decode"), SkipSoftmaxConfig(**TILES), use_kv_cache=use_kv_cache)
 
@@ -195,7 +196,7 @@ def test_dense_decode_runs_of_a_long_request_are_at_least_a_fraction_of_sqrt_til
     # With 132 SMs the grid has room for 64 runs per request; the 44- and 9-tile requests
     # are cut into runs of at least 0.4 * sqrt(tiles) tiles instead (2 and 1 tiles: 22 and
     # 9 runs, where one run per tile would be 44 and 9), and still merge to the reference.
-    monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(fullcg.ops.device_facts, "sm_count", lambda device: 132)
     b = batch("long_decode")
     ref_out, ref_lse, _ = run(b, "reference", SkipSoftmaxConfig(**TILES))
     workspace: dict = {}
@@ -405,7 +406,7 @@ def test_decode_replays_under_cuda_graph_capture_with_counters():
 def test_decode_only_steps_write_the_new_kv_inside_the_decode_kernel(monkeypatch, splits):
     # The decode kernel's last run of each request puts the request's new token into the
     # cache before reading it; no separate save launch runs. Poisoned slots prove the write.
-    monkeypatch.setattr(fullcg.ops.kernels.decode, "_sm_count", lambda device: splits * 3)
+    monkeypatch.setattr(fullcg.ops.device_facts, "sm_count", lambda device: splits * 3)
     b = batch("decode")
     cache, slots = b.layer.kv_cache, b.metadata.slot_mapping.long()
     expected_out, expected_lse = oracle_cpu(b)

@@ -29,6 +29,7 @@ from fullcg.metadata import AttentionMetadata  # noqa: E402
 from fullcg.ops.call import AttentionCall  # noqa: E402
 from fullcg.ops.impl import resolve_implementation  # noqa: E402
 from fullcg.mla import allocate_latent_cache  # noqa: E402
+from fullcg.ops import device_facts  # noqa: E402
 from fullcg.ops.kernels import mla as mla_kernels  # noqa: E402
 
 # Triton 3.6's interpreter converts 1-element arrays to loop bounds (deprecated by NumPy).
@@ -135,7 +136,7 @@ def planned(monkeypatch):
 
 def many_runs(monkeypatch, sms: int = 64) -> None:
     """Make the kernel split every token's keys into several runs (as on a GPU of ``sms`` SMs)."""
-    monkeypatch.setattr(mla_kernels, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(device_facts, "sm_count", lambda device: sms)
 
 
 def runs_per_token(monkeypatch, runs: str) -> None:
@@ -221,7 +222,7 @@ def test_explicit_split_counts_and_tiles_give_the_same_result():
 @pytest.mark.parametrize("shared_memory, block_n", [(232448, 64), (167936, 32), (0, 32)],
                          ids=["hopper", "less-shared-memory", "unknown"])
 def test_default_tiles_are_64_keys_where_two_stages_of_them_fit_in_shared_memory(shared_memory, block_n, monkeypatch):
-    monkeypatch.setattr(mla_kernels, "_shared_memory", lambda device: shared_memory)
+    monkeypatch.setattr(device_facts, "shared_memory_per_block", lambda device: shared_memory)
     cuda = torch.device("cuda", 0)
     assert mla_kernels.default_tuning(128, torch.bfloat16, cuda) == mla_kernels.MLATuning(64, block_n, 8, 2)
     assert mla_kernels.default_tuning(16, torch.bfloat16, cuda) == mla_kernels.MLATuning(16, block_n, 4, 2)

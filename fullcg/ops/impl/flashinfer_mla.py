@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fullcg.ops import device_facts
 from fullcg.ops.kernels.save_kv import save_kv_to_cache
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ def capability(device_index: int) -> tuple[int, int]:
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device: the MLA plan schedules one cluster per SM
     (or per pair)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return device_facts.sm_count(device_index)
 
 
 def schedule_bound(q_lens: Sequence[int], num_heads: int, sms: int) -> int:

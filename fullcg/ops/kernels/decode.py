@@ -38,12 +38,12 @@ bounds, so the launch is safe under CUDA graph capture.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from fullcg.ops import device_facts
 from fullcg.ops.kernels.launch import Launcher, PlannedLaunch
 from fullcg.ops.kernels.tile import attend_tile, kv_offsets, kv_source, padded, softcap_args, with_cols
 
@@ -97,13 +97,6 @@ def _dense_tile_kv(q: torch.Tensor, k: torch.Tensor, head_dim: int, head_dim_v: 
 def window_tiles(window: int, tile_kv: int) -> int:
     """The most tiles of ``tile_kv`` keys that ``window`` consecutive keys can touch."""
     return (window + tile_kv - 2) // tile_kv + 1
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -427,7 +420,7 @@ def plan_decode(
         # more than fit in one wave: a second wave of a few programs costs as long as the
         # first (9 runs instead of 8 was 1.5x slower at 4 KV heads, batch 8).
         if num_splits is None:
-            num_splits = DENSE_PROGRAMS_PER_SM * _sm_count(q.device) // (num_kv_heads * max(1, num_requests))
+            num_splits = DENSE_PROGRAMS_PER_SM * device_facts.sm_count(q.device) // (num_kv_heads * max(1, num_requests))
         num_splits = max(1, min(num_splits, max_tiles, MAX_DENSE_SPLITS))
         split_tiles = 0
         max_splits = num_splits

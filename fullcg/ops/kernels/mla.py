@@ -43,13 +43,13 @@ graph capture.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from fullcg.ops import device_facts
 from fullcg.ops.kernels.launch import Launcher, PlannedLaunch
 from fullcg.ops.kernels.tile import kv_offsets
 
@@ -75,13 +75,6 @@ REQUEST_BLOCK = 256
 MERGE_D = 128
 #: Runs whose partial outputs the merge has in flight at once.
 MERGE_UNROLL = 4
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -293,18 +286,12 @@ def default_tuning(num_heads: int, dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cuda" or dtype == torch.float32:
         return MLATuning(16, 16, 4, 1)
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
-    block_n = 64 if _shared_memory(device) >= _TWO_STAGES_OF_64_KEYS else 32
+    block_n = 64 if device_facts.shared_memory_per_block(device) >= _TWO_STAGES_OF_64_KEYS else 32
     return MLATuning(block_h, block_n, 8 if block_h >= 32 else 4, 2)
 
 
 #: Shared memory (bytes) of 64-head programs with two stages of 64-key tiles, as compiled for sm_90.
 _TWO_STAGES_OF_64_KEYS = 221184
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory(device: torch.device) -> int:
-    """Shared memory one program may opt into on ``device`` (bytes; 0 where torch does not say)."""
-    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0))
 
 
 class MLALaunch:
@@ -388,7 +375,7 @@ def plan_mla(
     if num_splits is None:
         # Enough programs to give every SM work when tokens x head blocks are few, never more
         # than about programs_per_sm per SM in all (a second wave of a few costs a whole one).
-        num_splits = programs_per_sm * _sm_count(q.device) // max(1, tokens * head_blocks)
+        num_splits = programs_per_sm * device_facts.sm_count(q.device) // max(1, tokens * head_blocks)
     num_splits = max(1, min(num_splits, max_tiles, MAX_SPLITS))
     save = slot_mapping is not None
     if save and new_kv is None:
