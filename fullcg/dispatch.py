@@ -280,6 +280,10 @@ class CompiledModel:
         self._compile_options = options
         self._compiled_fn: Any = None
         self._warm = None
+        if backend.config.compiler == "inductor":
+            from fullcg import source_keys
+
+            source_keys.prefetch()
         if self._direct is not None and backend.config.warm_start:
             from fullcg.warm_start import WarmStart
 

@@ -1,0 +1,90 @@
+"""Compiling with Inductor starts hashing torch's and Triton's sources at once, off the first
+step's path; the first use of either key finds it done or waits for it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from torch._inductor import codecache
+
+import fullcg
+from fullcg import source_keys
+
+
+class _PrefetchableKey:
+    """A key as torch >= 2.13 wraps it: a cache with ``prefetch``."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def prefetch(self) -> None:
+        self.calls.append(self.name)
+
+    def __call__(self) -> bytes:
+        raise AssertionError("prefetch must not compute the key on the caller's thread")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A process that has not prefetched yet."""
+    monkeypatch.setattr(source_keys, "_started", False)
+
+
+def test_compiling_with_inductor_prefetches_both_keys_before_the_first_step(fresh, monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(codecache, "torch_key", _PrefetchableKey("torch", calls))
+    monkeypatch.setattr(codecache, "triton_key", _PrefetchableKey("triton", calls), raising=False)
+    fullcg.compile(torch.nn.Linear(2, 2))
+    assert calls == ["torch", "triton"]
+    fullcg.compile(torch.nn.Linear(2, 2))
+    assert calls == ["torch", "triton"], "once per process"
+
+
+@pytest.mark.parametrize("compiler", ["eager", "none"])
+def test_compilers_without_inductor_do_not_hash_its_sources(fresh, monkeypatch, compiler):
+    calls: list[str] = []
+    monkeypatch.setattr(codecache, "torch_key", _PrefetchableKey("torch", calls))
+    fullcg.compile(torch.nn.Linear(2, 2), compiler=compiler)
+    assert calls == [] and not source_keys._started
+
+
+def test_keys_without_a_prefetch_of_their_own_are_computed_on_a_background_thread(fresh, monkeypatch):
+    # torch 2.11 calls Triton's key directly, an lru_cache without prefetch.
+    threads: list[str] = []
+    done = threading.Event()
+
+    def torch_key() -> bytes:
+        threads.append(threading.current_thread().name)
+        return b"torch"
+
+    def triton_key() -> str:
+        threads.append(threading.current_thread().name)
+        done.set()
+        return "triton"
+
+    monkeypatch.setattr(codecache, "torch_key", torch_key)
+    monkeypatch.setattr(codecache, "triton_key", triton_key, raising=False)
+    source_keys.prefetch()
+    assert done.wait(30), "the keys were not computed"
+    assert threads == ["fullcg-source-keys"] * 2
+
+
+def test_a_key_that_fails_in_the_background_is_left_to_its_first_use(fresh, monkeypatch, caplog):
+    done = threading.Event()
+
+    def broken() -> bytes:
+        raise OSError("source file vanished")
+
+    def last() -> str:
+        done.set()
+        return "triton"
+
+    monkeypatch.setattr(codecache, "torch_key", broken)
+    monkeypatch.setattr(codecache, "triton_key", last, raising=False)
+    with caplog.at_level(logging.DEBUG, logger="fullcg.source_keys"):
+        source_keys.prefetch()
+        assert done.wait(30), "a failing key must not stop the next one"
+    assert "source file vanished" in caplog.text
