@@ -1,6 +1,6 @@
 """GPU time of one dense decode-attention launch (8B layer shape) by split count and options.
 
-    python benchmarks/decode_kernel.py [--batches 1 64] [--context 1024]
+    python benchmarks/decode_kernel.py [--batches 1 64] [--context 1024] [--only default "no fused save"]
 
 One layer's decode attention over the paged cache (32 query / 8 KV heads of 128, bf16,
 page 16), as the Triton implementation plans it (``plan_decode``), with the split count,
@@ -38,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                    help="time only the variants whose name contains one of these (e.g. default 'no fused save')")
     args = ap.parse_args()
     dev = torch.device("cuda")
     hq, hkv, d = 32, 8, 128
@@ -77,6 +79,8 @@ def main() -> None:
                      ("num_warps=8", {"num_warps": 8}), ("num_stages=1", {"num_stages": 1}),
                      ("num_stages=3", {"num_stages": 3})]
         variants += [(f"merge unrolled by {n}", {"MERGE_UNROLL": n}) for n in (1, 2, 8)]
+        if args.only:
+            variants = [(name, options) for name, options in variants if any(text in name for text in args.only)]
         for name, options in variants:
             # Module constants the plan reads (upper case), set for this plan only.
             constants = {key: options.pop(key) for key in [k for k in options if k.isupper()]}
