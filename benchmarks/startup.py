@@ -479,7 +479,7 @@ def _print_summary(result: dict[str, Any]) -> None:
     for kind in KINDS:
         value = result[f"{kind}_s"]
         over = result[f"{kind}_over_floor_s"]
-        print(f"  {kind:15s} " + (f"{value:7.2f} s  (floor + {over:.2f} s)" if value is not None
+        print(f"  {kind:15s} " + (f"{value:7.2f} s; {over:.2f} s over the floor" if value is not None
                                    else f"    n/a  ({result[f'{kind}_reason']})"))
     print(f"  {'weights (apart)':15s} {result['weights_s']:7.2f} s")
     print(f"  {'floor':15s} {result['floor_s']:7.2f} s  (import torch, CUDA context, weights)")

@@ -1,19 +1,26 @@
 """Torch's and Triton's source hashes, computed off the step's critical path.
 
 Inductor keys every compiled piece by a hash of torch's Python sources (``torch_key``) and
-of Triton's sources and its 400 MB compiler library (``triton_key``), and Triton keys every
+of Triton's sources and its 415 MB compiler library (``triton_key``), and Triton keys every
 kernel it compiles by the latter. Each is computed once per process, the first time a
 piece is compiled or looked up: half a second on a CPU of this project's CI, more where
 the library is read from a cold disk, and all of it inside the first step of a warm start.
-Both are pure reads and hashing, which release the GIL, so :func:`prefetch` starts them on
-a background thread when a model is compiled with Inductor, while the process goes on with
-its imports; the first real use waits for the result or finds it done. A failure leaves
-the key to be computed where it is first needed, as without the prefetch.
+Most of that is reading files and hashing them, which release the GIL, so :func:`prefetch`
+starts both on a background thread when a model is compiled with Inductor, while the
+process goes on with its imports.
+
+On torch >= 2.13 both keys are torch's own prefetchable caches: the first real use waits
+for the background result, and a failure there is raised at that use, as it would have
+been without the prefetch. A process forked before the result arrived would wait for a
+thread it does not have, so a forked child forgets the pending result and computes the
+keys itself. On torch 2.11 the caches take no lock: a first use that comes before the
+thread is done computes the key a second time, with the same result.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -23,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _started = False
+#: Keys whose computation torch's own cache runs in the background (torch >= 2.13).
+_prefetched: list[Callable[[], object]] = []
 
 
 def prefetch() -> None:
@@ -36,18 +45,20 @@ def prefetch() -> None:
         # Imported here, on the caller's thread: two threads importing one package at once
         # can see each other's half-initialised modules.
         from triton.runtime.cache import triton_key
-    except ImportError:  # no Triton: Inductor's CPU keys do not need it
+    except Exception as exc:  # noqa: BLE001 - no (or a broken) Triton: Inductor reports it where it matters
+        logger.debug("fullcg: Triton's source key not prefetched (%s: %s)", type(exc).__name__, exc)
         triton_key = None
     from torch._inductor import codecache
 
-    # torch >= 2.13 wraps both keys in caches that compute in the background and make the
-    # first use wait (``prefetch``); torch 2.11 calls Triton's key directly, so ours runs it.
-    pending = []
+    # torch >= 2.13 wraps both keys in caches with a background `prefetch`; torch 2.11 calls
+    # Triton's key directly (an lru_cache), so a thread of ours computes what has none.
+    pending: list[Callable[[], object]] = []
     for key in (codecache.torch_key, getattr(codecache, "triton_key", None) or triton_key):
         if key is None:
             continue
-        if hasattr(key, "prefetch"):
+        if hasattr(key, "prefetch") and hasattr(key, "clear"):
             key.prefetch()
+            _prefetched.append(key)
         else:
             pending.append(key)
     if pending:
@@ -60,3 +71,13 @@ def _compute(*keys: Callable[[], object]) -> None:
             key()  # cached by its module: the first real use finds it done
         except Exception as exc:  # noqa: BLE001 - computed again, and reported, where it is needed
             logger.debug("fullcg: prefetching %s failed (%s: %s)", getattr(key, "__name__", key), type(exc).__name__, exc)
+
+
+def _forget_in_child() -> None:
+    """After a fork: drop results the parent's background threads would have delivered."""
+    for key in _prefetched:
+        key.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

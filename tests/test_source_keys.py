@@ -4,7 +4,10 @@ step's path; the first use of either key finds it done or waits for it."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -22,6 +25,9 @@ class _PrefetchableKey:
 
     def prefetch(self) -> None:
         self.calls.append(self.name)
+
+    def clear(self) -> None:
+        pass
 
     def __call__(self) -> bytes:
         raise AssertionError("prefetch must not compute the key on the caller's thread")
@@ -88,3 +94,42 @@ def test_a_key_that_fails_in_the_background_is_left_to_its_first_use(fresh, monk
         source_keys.prefetch()
         assert done.wait(30), "a failing key must not stop the next one"
     assert "source file vanished" in caplog.text
+
+
+@pytest.mark.skipif(hasattr(codecache, "triton_key"), reason="torch >= 2.13 wraps Triton's key in its own cache")
+def test_on_torch_2_11_the_thread_fills_the_triton_key_inductor_reads(fresh, monkeypatch):
+    triton_cache = pytest.importorskip("triton.runtime.cache")
+    from torch._inductor.runtime import triton_compat
+
+    assert triton_compat.triton_key is triton_cache.triton_key, "Inductor reads Triton's own cached key"
+    monkeypatch.setattr(codecache, "torch_key", lambda: b"torch")  # the cheap one: this test is about Triton's
+    triton_cache.triton_key.cache_clear()
+    source_keys.prefetch()
+    deadline = time.monotonic() + 120
+    while triton_cache.triton_key.cache_info().currsize == 0:
+        assert time.monotonic() < deadline, "Triton's key was never computed"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_before_the_keys_arrive_computes_them_itself(fresh, monkeypatch):
+    prefetchable_cache = getattr(pytest.importorskip("torch.utils._functools"), "prefetchable_cache", None)
+    if prefetchable_cache is None:
+        pytest.skip("torch 2.11 caches its keys without a background prefetch: a child computes them anyway")
+
+    @prefetchable_cache
+    def slow_key() -> bytes:
+        time.sleep(2)
+        return b"key"
+
+    monkeypatch.setattr(codecache, "torch_key", slow_key)
+    monkeypatch.setattr(codecache, "triton_key", _PrefetchableKey("triton", []), raising=False)
+    monkeypatch.setattr(source_keys, "_prefetched", [])
+    source_keys.prefetch()
+    pid = os.fork()
+    if pid == 0:  # the child: without the fork hook it would wait forever for the parent's thread
+        signal.alarm(20)
+        os._exit(0 if slow_key() == b"key" else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child hung or failed (status {status})"
+    assert slow_key() == b"key"

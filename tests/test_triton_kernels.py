@@ -402,12 +402,21 @@ def test_decode_replays_under_cuda_graph_capture_with_counters():
     assert abs(stats.decode_skipped - 2 * ref_stats.decode_skipped) <= 4
 
 
+# Decode batches whose newest keys sit mid-tile, end a tile (its tile is then full) and start one.
+SAVE_BATCHES = {
+    "mid-tile": [70, 5, 33],
+    "newest-key-ends-a-tile": [63, 15, 31],
+    "newest-key-starts-a-tile": [64, 16, 1],
+}
+
+
+@pytest.mark.parametrize("prefixes", list(SAVE_BATCHES.values()), ids=list(SAVE_BATCHES))
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-run", "three-runs"])
-def test_decode_only_steps_write_the_new_kv_inside_the_decode_kernel(monkeypatch, splits):
+def test_decode_only_steps_write_the_new_kv_inside_the_decode_kernel(monkeypatch, splits, prefixes):
     # The decode kernel's last run of each request puts the request's new token into the
-    # cache before reading it; no separate save launch runs. Poisoned slots prove the write.
+    # cache before reading its tile; no separate save launch runs. Poisoned slots prove the write.
     monkeypatch.setattr(fullcg.ops.device_facts, "sm_count", lambda device: splits * 3)
-    b = batch("decode")
+    b = on_device(make_batch([1] * len(prefixes), prefixes, num_heads=4, num_kv_heads=2, seed=6))
     cache, slots = b.layer.kv_cache, b.metadata.slot_mapping.long()
     expected_out, expected_lse = oracle_cpu(b)
     for pages in (cache.k, cache.v):

@@ -40,7 +40,6 @@ bounds, so the launch is safe under CUDA graph capture.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
