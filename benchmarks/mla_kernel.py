@@ -17,8 +17,9 @@ written over its time). Prints one JSON row per shape and launch option, with th
 compiled kernel's registers, spills and shared memory.
 
 ``--compile-only`` needs no GPU: it compiles each launch option for sm_90 (Triton's own
-ptxas) and prints its shared memory, registers and stack (spills), and whether the key
-tiles' loads are pipelined (``cp.async``), without running anything.
+ptxas) and prints its shared memory, registers and stack (spills), whether the key
+tiles' loads are pipelined (``cp.async``) and each warpgroup MMA's tile and warp layout
+(``dots``), without running anything.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 
 import fullcg
 from fullcg.mla import allocate_latent_cache
+from fullcg.ops import device_facts
 from fullcg.ops.kernels import mla as mla_kernels
 
 RANK, ROPE, PAGE = 512, 64, 64
@@ -125,7 +127,13 @@ def compile_only(heads: int, opts: dict[str, int | None]) -> dict[str, object]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    tuning = mla_kernels.default_tuning(heads, torch.bfloat16, torch.device("cuda"))
+    # The default as an sm_90 device would plan it, whether or not this machine has one.
+    shared_memory = device_facts.shared_memory_per_block
+    device_facts.shared_memory_per_block = lambda device: SM90_SHARED_MEMORY
+    try:
+        tuning = mla_kernels.default_tuning(heads, torch.bfloat16, torch.device("cuda"))
+    finally:
+        device_facts.shared_memory_per_block = shared_memory
     tuning = mla_kernels.MLATuning(*(opts.get(name) or default for name, default in zip(
         ("block_h", "block_n", "num_warps", "num_stages"), tuning)))
     fn = mla_kernels._mla_kernel
@@ -149,6 +157,7 @@ def compile_only(heads: int, opts: dict[str, int | None]) -> dict[str, object]:
     row: dict[str, object] = {"heads": heads, "tuning": list(tuning), "shared": kernel.metadata.shared,
                               "cp_async": kernel.asm["ptx"].count("cp.async.cg") + kernel.asm["ptx"].count("cp.async.ca"),
                               "wgmma": "wgmma.mma_async" in kernel.asm["ptx"]}
+    row["dots"] = _dot_layouts(kernel.asm["ttgir"])
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -158,6 +167,25 @@ def compile_only(heads: int, opts: dict[str, int | None]) -> dict[str, object]:
         found = re.search(rf"\b{name}:(\d+)", usage)
         row[key] = int(found.group(1)) if found else None
     return row
+
+
+#: Shared memory one program may opt into on sm_90 (H100, H200): 227 KiB.
+SM90_SHARED_MEMORY = 232448
+
+
+def _dot_layouts(ttgir: str) -> list[dict[str, object]]:
+    """Each distinct warpgroup MMA of the compiled kernel: its result tile, how the warps
+    share it (``warpsPerCTA``: rows, columns) and the instruction shape, with a count.
+    A tile of 64 rows with warps ``[8, 1]`` is computed by both warpgroups in full."""
+    layouts = {name: (warps, instr) for name, warps, instr in re.findall(
+        r"^(#mma\d*) = #ttg\.nvidia_mma<\{[^}]*warpsPerCTA = \[([\d, ]+)\][^}]*instrShape = \[([\d, ]+)\]",
+        ttgir, re.M)}
+    found: dict[tuple[str, str], int] = {}
+    for shape, layout in re.findall(r"ttng\.warp_group_dot .*-> tensor<([\dx]+)xf32, (#mma\d*)>", ttgir):
+        found[(shape, layout)] = found.get((shape, layout), 0) + 1
+    return [{"tile": shape, "warps": [int(x) for x in layouts[layout][0].split(",")],
+             "instr": [int(x) for x in layouts[layout][1].split(",")], "count": n}
+            for (shape, layout), n in found.items() if layout in layouts]
 
 
 def main() -> None:
