@@ -10,11 +10,9 @@ LSE and resets the semaphore to zero for the next launch. One launch per layer, 
 separate merge kernel would cost a second launch's host time between captured pieces.
 
 With ``SAVE`` (decode-only batches attending over the cache), the program whose run
-holds the request's newest key writes the new token's k/v into the cache slot
+holds the request's newest key first writes the new token's k/v into the cache slot
 ``slot_mapping`` names: the one program that reads that key, so no other launch (and no
-other program) has to order itself after the write. It stores them first and waits for
-them (a barrier) only before the newest key's tile, so its earlier tiles' loads do not
-queue behind the save (with a window, before its first tile).
+other program) has to order itself after the write.
 
 Dense decode (no skip factor, no configured split) splits every request's keys into a
 fixed *number* of runs, sized on the device from the request's own length: a CUDA graph
@@ -227,16 +225,10 @@ def _decode_kernel(
                 _copy_head(K, dst, KNew + q_row * stride_knt + kvh.to(tl.int64) * stride_knh, offs_d, HEAD_D)
                 dst = (slot // PAGE_SIZE) * stride_vp + (slot % PAGE_SIZE) * stride_vs + kvh.to(tl.int64) * stride_vh
                 _copy_head(V, dst, VNew + q_row * stride_vnt + kvh.to(tl.int64) * stride_vnh, offs_dv, HEAD_DV)
-            if WINDOW != 0:
-                tl.debug_barrier()  # every thread of the program sees the new key before the tiles read it
+            tl.debug_barrier()  # every thread of the program sees the new key before the tiles read it
     # Tiles before the request's last one are full: no mask needed there; nor past the
     # window's first key (tiles [first, t_inner) hold keys before it).
     n_full = tl.minimum(last, kv_len // BLOCK_N)
-    if SAVE and WINDOW == 0:
-        if last == n_tiles:
-            # The newest key's tile goes to the last loop, after a barrier there: the earlier
-            # tiles' loads need not wait for the save (its stores drain behind them).
-            n_full = tl.minimum(n_full, (kv_len - 1) // BLOCK_N)
     t_inner = first
 
     # The one query token sees every key (it is the newest; a chunk's keys all precede it):
@@ -284,9 +276,6 @@ def _decode_kernel(
             qk_scale2, cap_in, cap_out, log2_lam, t - first, HEAD_D, HEAD_DV, False, SKIP, DOT_F32, WINDOW != 0, SOFTCAP,
         )
         n_skipped += sk
-    if SAVE and WINDOW == 0:
-        if last == n_tiles:
-            tl.debug_barrier()  # every thread of the program sees the new key before its tile is read
     for t in range(tl.maximum(n_full, t_inner), last):
         k_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_kp, stride_ks, PAGED, PAGE_SIZE, BLOCK_N)
         v_offs, pos = kv_offsets(page_row, kv_start, t * BLOCK_N, kv_len, stride_vp, stride_vs, PAGED, PAGE_SIZE, BLOCK_N)
