@@ -35,6 +35,12 @@ def test_the_startup_benchmark_times_fresh_processes_and_writes_the_results_shap
     assert run["frames_compiled"] == 0 and run["torch_compile_s"] < 0.05
     assert run["triton_kernels"] == {"first_prefill": {}, "capture_and_first_decode": {}, "second_decode": {}}
     assert set(result["breakdown"]) == {"no_compiler", "no_compiler_warm"}
+    # The floor every engine pays (import torch, the CUDA context, the weights) and each
+    # kind's time over it, each run against its own process's floor.
+    assert abs(run["floor_s"] - (run["import_torch_s"] + run["cuda_init_s"] + run["weights_s"])) < 1e-6
+    assert abs(run["over_floor_s"] - (run["total_s"] - run["floor_s"])) < 1e-6
+    assert result["floor_s"] > 0 and result["no_compiler_over_floor_s"] > 0
+    assert result["cold_over_floor_s"] is None, "a kind not run has no figure over the floor"
     # --profile-dir: one profile per process and phase, as text naming the phase's entry
     # point and as a pstats file.
     names = sorted(p.name for p in profiles.iterdir())
