@@ -79,6 +79,11 @@ MERGE_UNROLL = 4
 DENSE_TILE_KV = 128
 DENSE_PROGRAMS_PER_SM = 2
 DENSE_MIN_RUN_SCALE = 0.4
+#: Pipeline stages of dense decode's tile loop (skip-softmax decode keeps 2). One stage
+#: (40 KiB of shared memory a program against 72) was faster or level at every shape of an
+#: H100 sweep (32q/8kv and 64q/4kv heads, batch 1-64, 1k-32k keys: 0.81x at batch 1, 1k),
+#: except batch 1 at 8k keys (1.04-1.06x); docs/benchmarks.md, "One decode launch".
+DENSE_NUM_STAGES = 1
 
 
 def _dense_tile_kv(q: torch.Tensor, k: torch.Tensor, head_dim: int, head_dim_v: int, tile_kv: int) -> int:
@@ -383,7 +388,7 @@ def plan_decode(
     softcap: float | None = None,
     window_offsets: torch.Tensor | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> DecodeLaunch:
     """Plan the decode kernel for calls shaped like these tensors (see :func:`decode_attention`)."""
     src = kv_source(k, v, page_table, kv_start_loc, query_start_loc)
@@ -396,7 +401,10 @@ def plan_decode(
     if save and (not src.paged or new_kv is None):
         raise ValueError("saving new k/v in the decode kernel needs the paged cache and new_kv=(k, v)")
     min_run_scale = 0.0
-    if not skip and split_tiles is None:
+    dense = not skip and split_tiles is None
+    if num_stages is None:
+        num_stages = DENSE_NUM_STAGES if dense else 2
+    if dense:
         tile_kv = _dense_tile_kv(q, k, head_dim, head_dim_v, tile_kv)
         if num_splits is None:
             min_run_scale = DENSE_MIN_RUN_SCALE
