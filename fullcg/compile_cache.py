@@ -57,7 +57,7 @@ import sys
 import tempfile
 import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -522,15 +522,18 @@ class HostFacts:
 
     ``vec_isa``: the vector instruction set Inductor chose, by probing, for C++ kernels. To
     choose, it compiles a test library per instruction set the CPU reports and loads each
-    in a fresh Python process (0.4 s on a 2-core host, every process); the loaded pieces'
-    libraries are built for the set chosen here. A process that loads the entry offers
-    Inductor that set alone, unprobed, when its CPU reports it and the set's choice is that
-    one probe (AVX2 and the plain sets; not AVX-512, whose extensions are probed apart and
-    pick its build flags): the libraries' keys stay the entry's. Otherwise Inductor probes
-    as usual.
+    in a fresh Python process (0.4 s on a 2-core AVX2 host, 1 s on an AVX-512 one, every
+    process); the loaded pieces' libraries are built for the set chosen here.
+    ``vec_isa_flags`` are that set's build flags and ``vec_isa_verdicts`` the probe's
+    verdicts on its extensions that pick them (AVX-512's bf16 check, say). A process that
+    loads the entry offers Inductor that set alone, unprobed, with those verdicts, when its
+    CPU reports the set and the set rebuilt from them has the recorded flags: the
+    libraries' keys stay the entry's. Otherwise Inductor probes as usual.
     """
 
     vec_isa: str | None = None
+    vec_isa_flags: str | None = None
+    vec_isa_verdicts: tuple[str, ...] = ()
 
     @classmethod
     def learnt(cls) -> HostFacts:
@@ -544,7 +547,9 @@ class HostFacts:
 
             if inductor_config.cpp.vec_isa_ok is not None or inductor_config.is_fbcode():
                 return cls()  # the set was taken on trust, not probed: not a fact for another process
-            return cls(vec_isa=str(isa_module.pick_vec_isa()))
+            isa = isa_module.pick_vec_isa()
+            return cls(vec_isa=str(isa), vec_isa_flags=str(isa.build_arch_flags()),
+                       vec_isa_verdicts=tuple(sorted(_verdicts(isa))))
         except Exception:  # noqa: BLE001 - a fact not kept is learnt again by the next process
             return cls()
 
@@ -558,9 +563,13 @@ class HostFacts:
             fields = json.loads(line)
         except ValueError:
             return None
-        if not isinstance(fields, dict) or not isinstance(fields.get("vec_isa", ""), (str, type(None))):
+        if not isinstance(fields, dict):
             return None
-        return cls(vec_isa=fields.get("vec_isa"))
+        isa, flags, verdicts = fields.get("vec_isa"), fields.get("vec_isa_flags"), fields.get("vec_isa_verdicts", [])
+        if (not isinstance(isa, (str, type(None))) or not isinstance(flags, (str, type(None)))
+                or not isinstance(verdicts, list) or not all(isinstance(v, str) for v in verdicts)):
+            return None
+        return cls(vec_isa=isa, vec_isa_flags=flags, vec_isa_verdicts=tuple(verdicts))
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -582,10 +591,8 @@ class HostFacts:
         with _swap_lock, contextlib.ExitStack() as stack:
             if callable(getattr(codecache, "_precompile_header", None)):
                 stack.enter_context(_swapped(codecache, "_precompile_header", _no_precompiled_header))
-            proven = _proven_vec_isa_list(cpu_vec_isa, self.vec_isa) if self.vec_isa is not None else None
-            if proven is not None:
+            if self.vec_isa is not None and stack.enter_context(_recorded_vec_isa(cpu_vec_isa, self)):
                 count("vec_isa_known")
-                stack.enter_context(_swapped(cpu_vec_isa, "valid_vec_isa_list", proven))
             yield
 
 
@@ -608,14 +615,29 @@ def _swapped(module: types.ModuleType, name: str, value: Any) -> Iterator[None]:
             setattr(module, name, original)
 
 
-def _proven_vec_isa_list(cpu_vec_isa: types.ModuleType, recorded: str) -> Callable[[], list[Any]] | None:
-    """A stand-in for Inductor's ``valid_vec_isa_list`` that offers only the x86 instruction
-    set ``recorded`` (see :class:`HostFacts`) without probing it; None when Inductor should
-    probe as usual: the user chose (``TORCHINDUCTOR_VEC_ISA_OK``, ``ATEN_CPU_CAPABILITY``,
-    ``cpp.simdlen``), this process probed already, this CPU does not report the set, or the
-    set's choice rests on more than the one probe (AVX-512 and its extensions run checks of
-    their own that also pick their build flags). Nothing here probes or calls ``bool()`` on
-    a set: that would leave verdicts in Inductor's per-process caches."""
+def _verdict_names(isa: Any) -> list[str]:
+    """The probe verdicts an instruction set's class keeps on the set (``_is_..._supported``
+    flags that its probe sets and its build flags read)."""
+    return [name for name in dir(type(isa)) if name.startswith("_is_") and isinstance(getattr(type(isa), name), bool)]
+
+
+def _verdicts(isa: Any) -> list[str]:
+    """The verdicts that came out true on ``isa``."""
+    return [name for name in _verdict_names(isa) if getattr(isa, name) is True]
+
+
+@contextlib.contextmanager
+def _recorded_vec_isa(cpu_vec_isa: types.ModuleType, facts: HostFacts) -> Iterator[bool]:
+    """Inside, Inductor's ``valid_vec_isa_list`` offers only the x86 instruction set the
+    facts record (see :class:`HostFacts`), unprobed, with the recorded verdicts on it;
+    yields whether it does. It does not (Inductor probes as usual) when the user chose
+    (``TORCHINDUCTOR_VEC_ISA_OK``, ``ATEN_CPU_CAPABILITY``, ``cpp.simdlen``), this process
+    probed already, this CPU does not report the set, or the set rebuilt from the verdicts
+    does not have the recorded build flags (a set whose flags Inductor caches per process,
+    such as AMX, always probes: computing them here would leave them cached). An entry
+    without recorded flags offers only sets that have no verdicts of their own. Nothing
+    here probes or calls ``bool()`` on a set: that would leave verdicts in Inductor's
+    per-process caches; the verdicts set here are undone on the way out."""
     from torch._inductor import config as inductor_config
 
     probed = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
@@ -623,18 +645,40 @@ def _proven_vec_isa_list(cpu_vec_isa: types.ModuleType, recorded: str) -> Callab
     if (base is None or not hasattr(probed, "cache_info") or probed.cache_info().currsize
             or inductor_config.cpp.vec_isa_ok is not None or inductor_config.cpp.simdlen is not None
             or os.environ.get("ATEN_CPU_CAPABILITY") or platform.machine() not in ("x86_64", "AMD64")):
-        return None
-    isa = next((i for i in getattr(cpu_vec_isa, "supported_vec_isa_list", ()) if str(i) == recorded), None)
-    plain = isa is not None and all(getattr(type(isa), f) is getattr(base, f) for f in ("__bool__", "build_arch_flags"))
-    if not plain:
-        return None
+        yield False
+        return
+    isa = next((i for i in getattr(cpu_vec_isa, "supported_vec_isa_list", ()) if str(i) == facts.vec_isa), None)
     try:
-        reported = cpu_vec_isa.x86_isa_checker()
+        reported = cpu_vec_isa.x86_isa_checker() if isa is not None else []
     except Exception:  # noqa: BLE001 - a torch without this machinery probes as usual
-        return None
-    if not all(flag in reported for flag in recorded.split()):
-        return None
-    return functools.cache(lambda: [isa])
+        reported = []
+    if isa is None or not all(flag in reported for flag in str(isa).split()):
+        yield False
+        return
+    names = _verdict_names(isa)
+    if facts.vec_isa_flags is None:  # an entry from before flags were recorded
+        usable = all(getattr(type(isa), f) is getattr(base, f) for f in ("__bool__", "build_arch_flags"))
+        if not usable:
+            yield False
+            return
+    elif hasattr(type(isa).build_arch_flags, "cache_info") or not set(facts.vec_isa_verdicts) <= set(names):
+        yield False
+        return
+    before = {name: isa.__dict__[name] for name in names if name in isa.__dict__}
+    for name in names:
+        setattr(isa, name, name in facts.vec_isa_verdicts)
+    try:
+        if facts.vec_isa_flags is not None and str(isa.build_arch_flags()) != facts.vec_isa_flags:
+            yield False
+            return
+        with _swapped(cpu_vec_isa, "valid_vec_isa_list", functools.cache(lambda: [isa])):
+            yield True
+    finally:
+        for name in names:
+            if name in before:
+                setattr(isa, name, before[name])
+            else:
+                isa.__dict__.pop(name, None)
 
 
 @contextlib.contextmanager

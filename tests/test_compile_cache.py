@@ -3,6 +3,7 @@ warning and a recompile, never a crash or a wrong result; concurrent processes b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -117,10 +118,14 @@ def test_an_entry_torch_cannot_read_is_a_warning_not_a_crash(tmp_path, caplog, p
 
 
 def test_host_facts_round_trip_and_refuse_what_is_not_theirs():
-    facts = HostFacts(vec_isa="avx2")
+    facts = HostFacts(vec_isa="avx512", vec_isa_flags="-mavx512f -mavx512bf16",
+                      vec_isa_verdicts=("_is_avx512_bf16_supported",))
     assert HostFacts.decode(facts.encode()) == facts
     assert HostFacts.decode(HostFacts().encode()) == HostFacts()
+    assert HostFacts.decode(b'{"vec_isa": "avx2"}') == HostFacts(vec_isa="avx2"), "an entry from before flags were kept"
     assert HostFacts.decode(b'{"vec_isa": 3}') is None
+    assert HostFacts.decode(b'{"vec_isa": "avx2", "vec_isa_verdicts": "_is_x"}') is None
+    assert HostFacts.decode(b"[]") is None
     assert HostFacts.decode(b"\xff") is None
 
 
@@ -153,7 +158,7 @@ def test_a_recorded_avx2_is_offered_unprobed_inside_and_nothing_outside(vec_isa,
     from torch._inductor import codecache
 
     cpu_vec_isa, probes = vec_isa
-    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512f")  # a CPU with more than the entry's set
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512")  # a CPU with more than the entry's set
     original, header = cpu_vec_isa.valid_vec_isa_list, codecache._precompile_header
     with HostFacts(vec_isa="avx2").applied():
         assert str(cpu_vec_isa.pick_vec_isa()) == "avx2", "the set the entry's libraries were built for"
@@ -165,8 +170,47 @@ def test_a_recorded_avx2_is_offered_unprobed_inside_and_nothing_outside(vec_isa,
     assert probes, "outside, Inductor probes as usual"
 
 
+def _avx512_facts(cpu_vec_isa, bf16: bool) -> HostFacts:
+    """The facts a process that probed AVX-512 (its bf16 extension found or not) records."""
+    avx512 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
+    flags = avx512._arch_flags + (" -mavx512bf16" if bf16 else "")
+    return HostFacts(vec_isa="avx512", vec_isa_flags=flags,
+                     vec_isa_verdicts=("_is_avx512_bf16_supported",) if bf16 else ())
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_a_recorded_avx512_is_rebuilt_with_its_verdicts_unprobed_and_undone_outside(vec_isa, monkeypatch, bf16):
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512", "avx512_vnni")
+    avx512 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
+    facts = _avx512_facts(cpu_vec_isa, bf16)
+    before = dict(vars(avx512))  # what an earlier probe in this process left, if any
+    with facts.applied():
+        picked = cpu_vec_isa.pick_vec_isa()
+        assert picked is avx512, "the entry's set, though the CPU also reports AVX-512 VNNI"
+        assert picked.build_arch_flags() == facts.vec_isa_flags, "the flags the entry's libraries were built with"
+    assert probes == [] and compile_cache.cache_stats() == {"vec_isa_known": 1}
+    assert vars(avx512) == before, "the verdict is the probe's again outside"
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+
+
+def test_recorded_flags_the_verdicts_do_not_rebuild_leave_the_probe_to_inductor(vec_isa, monkeypatch):
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512")
+    original = cpu_vec_isa.valid_vec_isa_list
+    avx512 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
+    wrong = dataclasses.replace(_avx512_facts(cpu_vec_isa, True), vec_isa_verdicts=())  # flags say bf16, verdicts no
+    unknown = dataclasses.replace(_avx512_facts(cpu_vec_isa, False), vec_isa_verdicts=("_is_something_else",))
+    before = dict(vars(avx512))
+    for facts in (wrong, unknown):
+        with facts.applied():
+            assert cpu_vec_isa.valid_vec_isa_list is original
+    assert probes == [] and compile_cache.cache_stats() == {}
+    assert vars(avx512) == before
+
+
 @pytest.mark.parametrize("recorded, flags, why", [
-    ("avx512", ("avx2", "avx512f"), "AVX-512's extensions are probed apart and pick its build flags"),
+    ("avx512", ("avx2", "avx512"), "an entry without flags: AVX-512's extensions pick its build flags"),
     ("avx2", ("sse4_2",), "this CPU does not report the set"),
     ("not a set", ("avx2",), "no such set"),
 ])
@@ -209,7 +253,12 @@ def test_only_a_probed_instruction_set_is_recorded(vec_isa, monkeypatch):
     avx2 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx2")
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", functools.cache(lambda: [avx2]))
     cpu_vec_isa.valid_vec_isa_list()  # Inductor chose, by probing
-    assert HostFacts.learnt() == HostFacts(vec_isa="avx2")
+    assert HostFacts.learnt() == HostFacts(vec_isa="avx2", vec_isa_flags=avx2.build_arch_flags())
+    avx512 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", functools.cache(lambda: [avx512]))
+    monkeypatch.setattr(avx512, "_is_avx512_bf16_supported", True, raising=False)  # as its probe leaves it
+    cpu_vec_isa.valid_vec_isa_list()
+    assert HostFacts.learnt() == _avx512_facts(cpu_vec_isa, bf16=True)
     with inductor_config.patch({"cpp.vec_isa_ok": True}):
         assert HostFacts.learnt() == HostFacts(), "taken on trust, not probed: no fact for another process"
 
