@@ -21,7 +21,8 @@ DeepSeek-V3's attention dims (latent 512, rope 64, nope 128, v 128), bf16, pages
   ``floor_ms`` there is the absorbed form's latent bytes over the copy bandwidth.
 - ``cache_bytes_per_token``: the latent cache against decompressed keys and values.
 - ``model``: a 4-layer DeepSeek-shaped model's decode step at batch 8 (1k context), captured
-  without a compiler, as a full graph and piecewise.
+  without a compiler, as a full graph and piecewise; one row per ``--model-impls``
+  implementation (``auto`` by default).
 
 Writes the rows as JSON (``kind``, ``batch``, ``context``, ``heads``, ``floor_ms`` and
 ``impls`` mapping each implementation to ``{"ms": ...}``).
@@ -260,7 +261,7 @@ def extend_rows(dev: torch.device, bandwidth: float, quick: bool, head_counts: t
     return rows
 
 
-def model_rows(dev: torch.device) -> list[dict]:
+def model_rows(dev: torch.device, attention_impl: str = "auto") -> list[dict]:
     from fullcg.models.deepseek import DeepseekConfig, DeepseekModel
 
     cfg = DeepseekConfig.tiny(
@@ -278,19 +279,19 @@ def model_rows(dev: torch.device) -> list[dict]:
         model.allocate_kv_cache(pages, PAGE, dtype=DTYPE, device=dev)
         table = torch.arange(pages, dtype=torch.int32).view(batch, -1)
         md = fullcg.AttentionMetadata.build([1] * batch, [context] * batch, table, PAGE, device=dev)
-        run = fullcg.compile(model, compiler="none", graph_mode=mode, attention_impl="auto", capture_sizes=(8,))
+        run = fullcg.compile(model, compiler="none", graph_mode=mode, attention_impl=attention_impl, capture_sizes=(8,))
         ids = torch.zeros(batch, dtype=torch.long, device=dev)
         positions = torch.full((batch,), context, dtype=torch.long, device=dev)
 
         def step() -> None:
-            with fullcg.forward_context(md, model, config=fullcg.FullCGConfig(attention_impl="auto")):
+            with fullcg.forward_context(md, model, config=fullcg.FullCGConfig(attention_impl=attention_impl)):
                 run(ids, positions)
 
         with torch.inference_mode():
             impls[mode] = {"ms": round(events_ms(step, 50, dev), 4), "counts": dict(run.step_counts())}
         torch.cuda.empty_cache()
     row = {"kind": "model_decode_step", "batch": batch, "context": context, "heads": 16, "layers": 4,
-           "floor_ms": None, "impls": impls}
+           "attention_impl": attention_impl, "floor_ms": None, "impls": impls}
     print(json.dumps(row), flush=True)
     rows.append(row)
     return rows
@@ -301,6 +302,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="one context per shape")
     parser.add_argument("--parts", nargs="+", default=["decode", "extend", "model"])
+    parser.add_argument("--model-impls", nargs="+", default=["auto"],
+                        help="attention implementations of the model rows (one row each)")
     parser.add_argument("--extend-heads", type=int, nargs="+", default=[16, 128], help="query heads of the extend rows")
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -312,7 +315,8 @@ def main() -> None:
     if "extend" in args.parts:
         rows += extend_rows(dev, bandwidth, args.quick, tuple(args.extend_heads))
     if "model" in args.parts:
-        rows += model_rows(dev)
+        for impl in args.model_impls:
+            rows += model_rows(dev, impl)
     result = {
         "gpu": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
