@@ -93,10 +93,9 @@ def capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-@functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device: the MLA plan schedules one cluster per SM
-    (or per pair)."""
+    """Streaming multiprocessors of a CUDA device (cached by :mod:`fullcg.ops.device_facts`):
+    the MLA plan schedules one cluster per SM (or per pair)."""
     return device_facts.sm_count(device_index)
 
 
