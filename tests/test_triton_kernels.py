@@ -27,7 +27,6 @@ import fullcg.ops.impl.triton  # noqa: E402,F401  (registers the "triton" implem
 import fullcg.ops.device_facts  # noqa: E402
 from fullcg import telemetry  # noqa: E402
 from fullcg.config import FullCGConfig, SkipSoftmaxConfig  # noqa: E402
-from fullcg.metadata import ForwardMode  # noqa: E402
 from fullcg.ops.kernels import decode_attention  # noqa: E402
 
 from batches import Batch, make_batch, oracle  # noqa: E402

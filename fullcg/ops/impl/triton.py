@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import triton
 
 from fullcg import telemetry
 from fullcg.context import ForwardContext
