@@ -51,7 +51,10 @@ class Scheduler(BatchScheduler):
 
     def commit(self, step: Step, logits: torch.Tensor) -> list[int | None]:
         """Advance requests after ``step`` ran: greedy-sample where a token is due."""
-        sampled = [int(logits[row].argmax()) if row is not None else None for row in step.sample_rows]
+        rows = [row for row in step.sample_rows if row is not None]
+        # One argmax and one copy to the host for the step, not one per row.
+        picked = iter(logits[rows].argmax(dim=-1).tolist() if rows else [])
+        sampled = [next(picked) if row is not None else None for row in step.sample_rows]
         self.advance(step, sampled)
         return sampled
 
