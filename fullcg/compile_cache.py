@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -527,8 +528,9 @@ class HostFacts:
     ``vec_isa_flags`` are that set's build flags and ``vec_isa_verdicts`` the probe's
     verdicts on its extensions that pick them (AVX-512's bf16 check, say). A process that
     loads the entry offers Inductor that set alone, unprobed, with those verdicts, when its
-    CPU reports the set and the set rebuilt from them has the recorded flags: the
-    libraries' keys stay the entry's. Otherwise Inductor probes as usual.
+    CPU reports the set and every extension a verdict names, and the set rebuilt from them
+    has the recorded flags: the libraries' keys stay the entry's. Otherwise, and always for
+    AMX sets, Inductor probes as usual (:func:`_recorded_vec_isa`).
     """
 
     vec_isa: str | None = None
@@ -626,18 +628,31 @@ def _verdicts(isa: Any) -> list[str]:
     return [name for name in _verdict_names(isa) if getattr(isa, name) is True]
 
 
+def _cpu_confirms(verdict: str) -> bool:
+    """Whether this CPU has the extension a probe verdict names: ``torch.cpu`` answers for
+    each by the same name (``_is_avx512_bf16_supported``); a verdict it cannot answer for
+    is not taken."""
+    check = getattr(torch.cpu, verdict, None)
+    try:
+        return callable(check) and check() is True
+    except Exception:  # noqa: BLE001 - not confirmed: Inductor probes
+        return False
+
+
 @contextlib.contextmanager
 def _recorded_vec_isa(cpu_vec_isa: types.ModuleType, facts: HostFacts) -> Iterator[bool]:
     """Inside, Inductor's ``valid_vec_isa_list`` offers only the x86 instruction set the
-    facts record (see :class:`HostFacts`), unprobed, with the recorded verdicts on it;
-    yields whether it does. It does not (Inductor probes as usual) when the user chose
-    (``TORCHINDUCTOR_VEC_ISA_OK``, ``ATEN_CPU_CAPABILITY``, ``cpp.simdlen``), this process
-    probed already, this CPU does not report the set, or the set rebuilt from the verdicts
-    does not have the recorded build flags (a set whose flags Inductor caches per process,
-    such as AMX, always probes: computing them here would leave them cached). An entry
-    without recorded flags offers only sets that have no verdicts of their own. Nothing
-    here probes or calls ``bool()`` on a set: that would leave verdicts in Inductor's
-    per-process caches; the verdicts set here are undone on the way out."""
+    facts record (see :class:`HostFacts`), unprobed: a copy of Inductor's set with the
+    recorded verdicts on it; yields whether it does. It does not (Inductor probes as usual)
+    when the user chose (``TORCHINDUCTOR_VEC_ISA_OK``, ``ATEN_CPU_CAPABILITY``,
+    ``cpp.simdlen``), this process probed already, this CPU does not report the set or an
+    extension a verdict says it has, the copy's build flags are not the recorded ones, or
+    the set is an AMX one (its probe is also what asks the kernel for the AMX registers,
+    which AMX code needs). An entry without recorded flags offers only sets that have no
+    verdicts of their own. Nothing here probes or calls ``bool()`` on a set, and Inductor's
+    own set objects are not changed; its per-class caches of the verdicts
+    (``is_avx512_bf16_supported``), empty on the way in or the set is not offered, are
+    emptied on the way out."""
     from torch._inductor import config as inductor_config
 
     probed = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
@@ -652,33 +667,34 @@ def _recorded_vec_isa(cpu_vec_isa: types.ModuleType, facts: HostFacts) -> Iterat
         reported = cpu_vec_isa.x86_isa_checker() if isa is not None else []
     except Exception:  # noqa: BLE001 - a torch without this machinery probes as usual
         reported = []
-    if isa is None or not all(flag in reported for flag in str(isa).split()):
+    if isa is None or "amx" in str(isa) or not all(flag in reported for flag in str(isa).split()):
         yield False
         return
     names = _verdict_names(isa)
     if facts.vec_isa_flags is None:  # an entry from before flags were recorded
-        usable = all(getattr(type(isa), f) is getattr(base, f) for f in ("__bool__", "build_arch_flags"))
-        if not usable:
+        if names or not all(getattr(type(isa), f) is getattr(base, f) for f in ("__bool__", "build_arch_flags")):
             yield False
             return
-    elif hasattr(type(isa).build_arch_flags, "cache_info") or not set(facts.vec_isa_verdicts) <= set(names):
+    elif not set(facts.vec_isa_verdicts) <= set(names) or not all(map(_cpu_confirms, facts.vec_isa_verdicts)):
         yield False
         return
-    before = {name: isa.__dict__[name] for name in names if name in isa.__dict__}
+    cached = [method for method in (getattr(type(isa), m) for m in dir(type(isa)) if m.startswith("is_"))
+              if hasattr(method, "cache_clear") and hasattr(method, "cache_info")]
+    if any(method.cache_info().currsize for method in cached):
+        yield False
+        return
+    offered = copy.copy(isa)
     for name in names:
-        setattr(isa, name, name in facts.vec_isa_verdicts)
+        setattr(offered, name, name in facts.vec_isa_verdicts)
     try:
-        if facts.vec_isa_flags is not None and str(isa.build_arch_flags()) != facts.vec_isa_flags:
+        if facts.vec_isa_flags is not None and str(offered.build_arch_flags()) != facts.vec_isa_flags:
             yield False
             return
-        with _swapped(cpu_vec_isa, "valid_vec_isa_list", functools.cache(lambda: [isa])):
+        with _swapped(cpu_vec_isa, "valid_vec_isa_list", functools.cache(lambda: [offered])):
             yield True
     finally:
-        for name in names:
-            if name in before:
-                setattr(isa, name, before[name])
-            else:
-                isa.__dict__.pop(name, None)
+        for method in cached:  # keyed by set, and a copy is equal to Inductor's own
+            method.cache_clear()
 
 
 @contextlib.contextmanager

@@ -139,8 +139,9 @@ def vec_isa(monkeypatch):
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: probes.append(str(isa)) or True)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     caches = [cpu_vec_isa.valid_vec_isa_list, cpu_vec_isa.VecISA._VecISA__bool__impl]
-    caches += [c.__bool__ for c in {type(i) for i in cpu_vec_isa.supported_vec_isa_list}
-               if hasattr(c.__bool__, "cache_clear")]
+    caches += [getattr(c, m) for c in {type(i) for i in cpu_vec_isa.supported_vec_isa_list}
+               for m in ("__bool__", "is_avx512_bf16_supported", "is_amx_fp16_supported")
+               if hasattr(getattr(c, m, None), "cache_clear")]
     for cache in caches:
         cache.cache_clear()
     compile_cache.reset_cache_stats()
@@ -178,25 +179,62 @@ def _avx512_facts(cpu_vec_isa, bf16: bool) -> HostFacts:
                      vec_isa_verdicts=("_is_avx512_bf16_supported",) if bf16 else ())
 
 
+def _cpu_has(monkeypatch, **extensions: bool) -> None:
+    """What ``torch.cpu`` answers for the extensions a verdict names (``avx512_bf16=True``)."""
+    for name, has in extensions.items():
+        monkeypatch.setattr(torch.cpu, f"_is_{name}_supported", lambda has=has: has)
+
+
 @pytest.mark.parametrize("bf16", [True, False])
-def test_a_recorded_avx512_is_rebuilt_with_its_verdicts_unprobed_and_undone_outside(vec_isa, monkeypatch, bf16):
+def test_a_recorded_avx512_is_offered_with_its_verdicts_unprobed_and_nothing_left_outside(vec_isa, monkeypatch, bf16):
     cpu_vec_isa, probes = vec_isa
     _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512", "avx512_vnni")
+    _cpu_has(monkeypatch, avx512_bf16=True)
     avx512 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
     facts = _avx512_facts(cpu_vec_isa, bf16)
     before = dict(vars(avx512))  # what an earlier probe in this process left, if any
     with facts.applied():
         picked = cpu_vec_isa.pick_vec_isa()
-        assert picked is avx512, "the entry's set, though the CPU also reports AVX-512 VNNI"
+        assert str(picked) == "avx512", "the entry's set, though the CPU also reports AVX-512 VNNI"
         assert picked.build_arch_flags() == facts.vec_isa_flags, "the flags the entry's libraries were built with"
+        assert picked.is_avx512_bf16_supported() is bf16, "code generation reads the recorded verdict"
     assert probes == [] and compile_cache.cache_stats() == {"vec_isa_known": 1}
-    assert vars(avx512) == before, "the verdict is the probe's again outside"
+    assert vars(avx512) == before, "Inductor's own set is not changed"
+    assert type(avx512).is_avx512_bf16_supported.cache_info().currsize == 0, "no verdict is left cached"
     assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+
+
+def test_a_bf16_verdict_this_cpu_does_not_confirm_leaves_the_probe_to_inductor(vec_isa, monkeypatch):
+    """An entry written where AVX-512 has bf16, loaded (from a shared cache) on a CPU that
+    has AVX-512 without it: its libraries would hold instructions this CPU lacks."""
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512")
+    _cpu_has(monkeypatch, avx512_bf16=False)
+    original = cpu_vec_isa.valid_vec_isa_list
+    with _avx512_facts(cpu_vec_isa, bf16=True).applied():
+        assert cpu_vec_isa.valid_vec_isa_list is original
+    with _avx512_facts(cpu_vec_isa, bf16=False).applied():  # no bf16 asked for: taken
+        assert cpu_vec_isa.valid_vec_isa_list is not original
+    assert probes == [] and compile_cache.cache_stats() == {"vec_isa_known": 1}
+
+
+def test_a_recorded_amx_set_is_always_probed(vec_isa, monkeypatch):
+    """AMX's probe is also what asks the kernel for the AMX registers: it is never skipped."""
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512", "avx512_vnni", "amx_tile")
+    _cpu_has(monkeypatch, avx512_bf16=True, amx_fp16=True)
+    amx = next(i for i in cpu_vec_isa.supported_vec_isa_list if "amx" in str(i))
+    original = cpu_vec_isa.valid_vec_isa_list
+    facts = HostFacts(vec_isa=str(amx), vec_isa_flags=amx._arch_flags, vec_isa_verdicts=())
+    with facts.applied():
+        assert cpu_vec_isa.valid_vec_isa_list is original
+    assert compile_cache.cache_stats() == {}
 
 
 def test_recorded_flags_the_verdicts_do_not_rebuild_leave_the_probe_to_inductor(vec_isa, monkeypatch):
     cpu_vec_isa, probes = vec_isa
     _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512")
+    _cpu_has(monkeypatch, avx512_bf16=True)
     original = cpu_vec_isa.valid_vec_isa_list
     avx512 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
     wrong = dataclasses.replace(_avx512_facts(cpu_vec_isa, True), vec_isa_verdicts=())  # flags say bf16, verdicts no
@@ -207,6 +245,31 @@ def test_recorded_flags_the_verdicts_do_not_rebuild_leave_the_probe_to_inductor(
             assert cpu_vec_isa.valid_vec_isa_list is original
     assert probes == [] and compile_cache.cache_stats() == {}
     assert vars(avx512) == before
+
+
+def test_a_verdict_already_cached_in_this_process_leaves_the_probe_to_inductor(vec_isa, monkeypatch):
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512")
+    _cpu_has(monkeypatch, avx512_bf16=True)
+    avx512 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
+    avx512.is_avx512_bf16_supported()  # something asked already: the answer is this process's own
+    original = cpu_vec_isa.valid_vec_isa_list
+    with _avx512_facts(cpu_vec_isa, True).applied():
+        assert cpu_vec_isa.valid_vec_isa_list is original
+    assert type(avx512).is_avx512_bf16_supported.cache_info().currsize == 1, "left as it was"
+
+
+def test_the_offered_set_is_undone_when_the_compile_inside_fails(vec_isa, monkeypatch):
+    cpu_vec_isa, probes = vec_isa
+    _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512")
+    _cpu_has(monkeypatch, avx512_bf16=True)
+    original = cpu_vec_isa.valid_vec_isa_list
+    with pytest.raises(RuntimeError, match="inside"), _avx512_facts(cpu_vec_isa, True).applied():
+        cpu_vec_isa.pick_vec_isa().is_avx512_bf16_supported()
+        raise RuntimeError("a compile inside failed")
+    assert cpu_vec_isa.valid_vec_isa_list is original
+    assert type(next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
+                ).is_avx512_bf16_supported.cache_info().currsize == 0
 
 
 @pytest.mark.parametrize("recorded, flags, why", [
