@@ -14,10 +14,11 @@ and the backend returns a :class:`fullcg.runner.StepRunner` that picks a variant
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -110,6 +111,34 @@ TILING_RETRIES: tuple[dict[str, Any], ...] = (
     {"loop_ordering_after_fusion": False},
     {"loop_ordering_after_fusion": False, "split_reductions": False, "triton.persistent_reductions": False},
 )
+
+
+def check_inductor_config(config: FullCGConfig) -> None:
+    """Refuse ``config.inductor_config`` names that this torch's Inductor does not have."""
+    if not config.inductor_config:
+        return
+    import torch._inductor.config as inductor_config
+
+    known = getattr(inductor_config, "_config", None)
+    unknown = [name for name, _ in config.inductor_config
+               if (name not in known if isinstance(known, dict) else not hasattr(inductor_config, name))]
+    if unknown:
+        raise InvalidConfigError(
+            f"inductor_config names settings Inductor (torch {torch.__version__}) does not have: {unknown}; "
+            "see torch._inductor.config for the names"
+        )
+
+
+@contextlib.contextmanager
+def inductor_settings(config: FullCGConfig) -> Iterator[None]:
+    """``config.inductor_config`` in effect inside (the pieces' compiles)."""
+    if not config.inductor_config or config.compiler != "inductor":
+        yield
+        return
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(dict(config.inductor_config)):
+        yield
 
 
 def _retiled_piece(name: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -448,7 +477,8 @@ def _compile_graph(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     compiler = _PieceCompiler(split, config.compiler, dump, fallbacks)
-    compiler.compile_all(detect_fake_mode(example_inputs) or FakeTensorMode(), example_inputs)
+    with inductor_settings(config):
+        compiler.compile_all(detect_fake_mode(example_inputs) or FakeTensorMode(), example_inputs)
     runnable = split.graph_module
     for piece in split.pieces:
         call: Any = compiler.calls[piece.name]
@@ -503,6 +533,7 @@ class Backend:
     def __init__(self, config: FullCGConfig | None = None, **options: Any) -> None:
         base = config if config is not None else FullCGConfig.from_env()
         self.config = base.replace(**_checked_options(options)) if options else base
+        check_inductor_config(self.config)
         #: One runner per graph compiled through this backend (each has a ``report``).
         self.runners: list[StepRunner] = []
         #: Steps of every graph compiled through this backend, by how they ran.
@@ -529,6 +560,7 @@ class Backend:
                 "choose CUDA-graph behaviour with options={'graph_mode': ...}"
             )
         config = self.config.replace(**_checked_options(options)) if options else self.config
+        check_inductor_config(config)
         if config.compiler == "none":
             raise InvalidConfigError(
                 "compiler='none' runs the model without torch.compile, so the fullcg compile backend cannot take it: "

@@ -311,6 +311,12 @@ class FullCGConfig:
             ``ModuleList`` of one class holding fullcg attention) as nested compile regions,
             so Dynamo traces one layer and reuses its graph for the others
             (:mod:`fullcg.regions`; torch 2.13 and later, skipped on older versions).
+        inductor_config: Inductor settings (names of ``torch._inductor.config``, dotted for
+            nested ones such as ``"triton.cudagraphs"``) in effect while fullcg compiles the
+            pieces, as a mapping or ``(name, value)`` pairs of plain values (bool, int, float,
+            str or None), e.g. ``{"combo_kernels": True}``; stored as sorted pairs. Part of
+            the compile cache's key; names Inductor does not have are refused when the
+            backend is made. ``compiler="inductor"`` only.
         warm_start: with the compile cache on, ``fullcg.compile`` keeps each graph Dynamo
             traced, with how a step's arguments and the model's tensors map onto it, in
             the cache, and the next process with the same model, step arguments and
@@ -337,6 +343,7 @@ class FullCGConfig:
     mla_mha_min_heads: int = 64
     trace_layers_once: bool = True
     warm_start: bool = True
+    inductor_config: tuple[tuple[str, bool | int | float | str | None], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_impl, str) or not self.attention_impl:
@@ -396,6 +403,12 @@ class FullCGConfig:
                 f"trust_shared_cache must be True or False (FULLCG_TRUST_SHARED_CACHE=1 also turns it on), "
                 f"got {self.trust_shared_cache!r}"
             )
+        object.__setattr__(self, "inductor_config", _inductor_settings(self.inductor_config))
+        if self.inductor_config and self.compiler != "inductor":
+            raise InvalidConfigError(
+                f"inductor_config applies to compiler='inductor' only, got compiler={self.compiler!r} with "
+                f"settings {dict(self.inductor_config)}"
+            )
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ConfigTypeError(f"dump_dir must be a path or None, got {self.dump_dir!r}")
         if self.cache_dir is not None:
@@ -446,6 +459,32 @@ class FullCGConfig:
 
     def replace(self, **changes: Any) -> FullCGConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _inductor_settings(value: Any) -> tuple[tuple[str, bool | int | float | str | None], ...]:
+    """``FullCGConfig.inductor_config`` as sorted ``(name, value)`` pairs (see its field)."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif (isinstance(value, (tuple, list))
+          and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value)):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise ConfigTypeError(
+            f"inductor_config must be a mapping of Inductor setting names to values, such as "
+            f"{{'combo_kernels': True}}, or (name, value) pairs; got {type(value).__name__} {value!r}"
+        )
+    names = [name for name, _ in pairs]
+    for name, setting in pairs:
+        if not isinstance(name, str) or not name:
+            raise ConfigTypeError(f"inductor_config names must be non-empty strings, got {name!r}")
+        if not isinstance(setting, (bool, int, float, str, type(None))):
+            raise ConfigTypeError(
+                f"inductor_config[{name!r}] must be a bool, int, float, str or None, got {type(setting).__name__} "
+                f"{setting!r}"
+            )
+    if len(set(names)) != len(names):
+        raise InvalidConfigError(f"inductor_config names a setting twice: {sorted(names)}")
+    return tuple(sorted(pairs))
 
 
 #: Every variable :meth:`FullCGConfig.from_env` reads.
