@@ -639,20 +639,27 @@ def _cpu_confirms(verdict: str) -> bool:
         return False
 
 
+#: The probe verdicts whose probes :func:`_recorded_vec_isa` knows how to answer from an
+#: entry (the AVX-512 sets' bf16 check); a set with any other keeps Inductor's probe.
+_ANSWERABLE_VERDICTS = frozenset({"_is_avx512_bf16_supported"})
+
+
 @contextlib.contextmanager
 def _recorded_vec_isa(cpu_vec_isa: types.ModuleType, facts: HostFacts) -> Iterator[bool]:
     """Inside, Inductor's ``valid_vec_isa_list`` offers only the x86 instruction set the
     facts record (see :class:`HostFacts`), unprobed: a copy of Inductor's set with the
-    recorded verdicts on it; yields whether it does. It does not (Inductor probes as usual)
+    recorded verdicts on it, whose probe (should code generation ask, ``bool(set)``)
+    answers from the entry; yields whether it does. It does not (Inductor probes as usual)
     when the user chose (``TORCHINDUCTOR_VEC_ISA_OK``, ``ATEN_CPU_CAPABILITY``,
-    ``cpp.simdlen``), this process probed already, this CPU does not report the set or an
-    extension a verdict says it has, the copy's build flags are not the recorded ones, or
-    the set is an AMX one (its probe is also what asks the kernel for the AMX registers,
-    which AMX code needs). An entry without recorded flags offers only sets that have no
-    verdicts of their own. Nothing here probes or calls ``bool()`` on a set, and Inductor's
-    own set objects are not changed; its per-class caches of the verdicts
-    (``is_avx512_bf16_supported``), empty on the way in or the set is not offered, are
-    emptied on the way out."""
+    ``cpp.simdlen``), this process probed already (a probe's list or cached verdicts exist),
+    this CPU does not report the set or an extension a verdict says it has, the set has
+    verdicts other than the ones answered here, the copy's build flags are not the recorded
+    ones, or the set is an AMX one (its probe is also what asks the kernel for the AMX
+    registers, which AMX code needs). An entry without recorded flags offers only sets that
+    have no verdicts. Inductor's own set objects are not changed, and its per-class caches
+    of verdicts and probe results, empty on the way in, are emptied on the way out (a copy
+    is equal to Inductor's set, so what it left there would answer for the real one; while
+    the copy is offered, a probe in another thread shares those entries with it)."""
     from torch._inductor import config as inductor_config
 
     probed = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
@@ -675,17 +682,23 @@ def _recorded_vec_isa(cpu_vec_isa: types.ModuleType, facts: HostFacts) -> Iterat
         if names or not all(getattr(type(isa), f) is getattr(base, f) for f in ("__bool__", "build_arch_flags")):
             yield False
             return
-    elif not set(facts.vec_isa_verdicts) <= set(names) or not all(map(_cpu_confirms, facts.vec_isa_verdicts)):
+    elif (not set(names) <= _ANSWERABLE_VERDICTS or not set(facts.vec_isa_verdicts) <= set(names)
+          or not all(map(_cpu_confirms, facts.vec_isa_verdicts))):
         yield False
         return
-    cached = [method for method in (getattr(type(isa), m) for m in dir(type(isa)) if m.startswith("is_"))
-              if hasattr(method, "cache_clear") and hasattr(method, "cache_info")]
-    if any(method.cache_info().currsize for method in cached):
+    caches = {id(f): f for klass in type(isa).__mro__ for f in vars(klass).values()
+              if hasattr(f, "cache_clear") and hasattr(f, "cache_info")}.values()
+    if any(f.cache_info().currsize for f in caches):
         yield False
         return
     offered = copy.copy(isa)
     for name in names:
         setattr(offered, name, name in facts.vec_isa_verdicts)
+    # The probe's answers as the entry recorded them: the set builds and loads, and bf16
+    # (the one verdict answered, _ANSWERABLE_VERDICTS) as recorded.
+    bf16_code = getattr(type(isa), "_avx512_bf16_code", None)
+    has_bf16 = "_is_avx512_bf16_supported" in facts.vec_isa_verdicts
+    offered.check_build = lambda code: code != bf16_code or has_bf16
     try:
         if facts.vec_isa_flags is not None and str(offered.build_arch_flags()) != facts.vec_isa_flags:
             yield False
@@ -693,8 +706,8 @@ def _recorded_vec_isa(cpu_vec_isa: types.ModuleType, facts: HostFacts) -> Iterat
         with _swapped(cpu_vec_isa, "valid_vec_isa_list", functools.cache(lambda: [offered])):
             yield True
     finally:
-        for method in cached:  # keyed by set, and a copy is equal to Inductor's own
-            method.cache_clear()
+        for f in caches:
+            f.cache_clear()
 
 
 @contextlib.contextmanager

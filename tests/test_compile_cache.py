@@ -196,12 +196,16 @@ def test_a_recorded_avx512_is_offered_with_its_verdicts_unprobed_and_nothing_lef
     with facts.applied():
         picked = cpu_vec_isa.pick_vec_isa()
         assert str(picked) == "avx512", "the entry's set, though the CPU also reports AVX-512 VNNI"
+        assert picked is not avx512 and vars(avx512) == before, "a copy: Inductor's own set is not changed"
         assert picked.build_arch_flags() == facts.vec_isa_flags, "the flags the entry's libraries were built with"
         assert picked.is_avx512_bf16_supported() is bf16, "code generation reads the recorded verdict"
-    assert probes == [] and compile_cache.cache_stats() == {"vec_isa_known": 1}
-    assert vars(avx512) == before, "Inductor's own set is not changed"
-    assert type(avx512).is_avx512_bf16_supported.cache_info().currsize == 0, "no verdict is left cached"
-    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+        assert bool(picked), "code generation's own check of the set answers from the entry..."
+        assert probes == [] and picked.build_arch_flags() == facts.vec_isa_flags, "...without a probe"
+    assert compile_cache.cache_stats() == {"vec_isa_known": 1}
+    assert vars(avx512) == before
+    for cached in (type(avx512).is_avx512_bf16_supported, type(avx512).__bool__,
+                   cpu_vec_isa.VecISA._VecISA__bool__impl, cpu_vec_isa.valid_vec_isa_list):
+        assert cached.cache_info().currsize == 0, f"{cached} answers for Inductor's own set after the compile"
 
 
 def test_a_bf16_verdict_this_cpu_does_not_confirm_leaves_the_probe_to_inductor(vec_isa, monkeypatch):
@@ -247,16 +251,17 @@ def test_recorded_flags_the_verdicts_do_not_rebuild_leave_the_probe_to_inductor(
     assert vars(avx512) == before
 
 
-def test_a_verdict_already_cached_in_this_process_leaves_the_probe_to_inductor(vec_isa, monkeypatch):
+@pytest.mark.parametrize("asked", ["is_avx512_bf16_supported", "__bool__"])
+def test_a_verdict_already_cached_in_this_process_leaves_the_probe_to_inductor(vec_isa, monkeypatch, asked):
     cpu_vec_isa, probes = vec_isa
     _cpu_reports(monkeypatch, cpu_vec_isa, "avx2", "avx512")
     _cpu_has(monkeypatch, avx512_bf16=True)
     avx512 = next(i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == "avx512")
-    avx512.is_avx512_bf16_supported()  # something asked already: the answer is this process's own
+    getattr(avx512, asked)()  # something asked already: the answer is this process's own
     original = cpu_vec_isa.valid_vec_isa_list
     with _avx512_facts(cpu_vec_isa, True).applied():
         assert cpu_vec_isa.valid_vec_isa_list is original
-    assert type(avx512).is_avx512_bf16_supported.cache_info().currsize == 1, "left as it was"
+    assert getattr(type(avx512), asked).cache_info().currsize == 1, "left as it was"
 
 
 def test_the_offered_set_is_undone_when_the_compile_inside_fails(vec_isa, monkeypatch):
