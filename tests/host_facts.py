@@ -18,13 +18,12 @@ def isa_taken_from_entry(entry: Path) -> bool:
     facts = HostFacts.decode(payload.partition(b"\n")[0])
     if facts is None or facts.vec_isa is None:
         return False
-    isa_list = cpu_vec_isa.valid_vec_isa_list
-    probed = isa_list.cache_info().currsize
-    if probed:
-        isa_list.cache_clear()  # as in a fresh process
-    try:
-        with compile_cache._recorded_vec_isa(cpu_vec_isa, facts) as offered:
-            return offered
-    finally:
-        if probed:
-            isa_list.cache_clear()
+    # As in a fresh process: no probe's list or verdicts (this process's probes run again
+    # when next needed).
+    caches = [cpu_vec_isa.valid_vec_isa_list]
+    caches += [f for klass in {k for i in cpu_vec_isa.supported_vec_isa_list for k in type(i).__mro__}
+               for f in vars(klass).values() if hasattr(f, "cache_clear") and hasattr(f, "cache_info")]
+    for cache in caches:
+        cache.cache_clear()
+    with compile_cache._recorded_vec_isa(cpu_vec_isa, facts) as offered:
+        return offered

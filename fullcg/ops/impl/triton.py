@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import triton  # noqa: F401  (first, so a missing Triton names itself when the implementation is resolved)
 
 from fullcg import telemetry
 from fullcg.context import ForwardContext
