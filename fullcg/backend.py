@@ -132,7 +132,7 @@ def check_inductor_config(config: FullCGConfig) -> None:
 @contextlib.contextmanager
 def inductor_settings(config: FullCGConfig) -> Iterator[None]:
     """``config.inductor_config`` in effect inside (the pieces' compiles)."""
-    if not config.inductor_config or config.compiler != "inductor":
+    if not config.inductor_config:  # (FullCGConfig allows settings with compiler="inductor" only)
         yield
         return
     import torch._inductor.config as inductor_config
@@ -559,8 +559,10 @@ class Backend:
                 f"torch.compile(mode={mode!r}) does not apply to the fullcg backend; "
                 "choose CUDA-graph behaviour with options={'graph_mode': ...}"
             )
-        config = self.config.replace(**_checked_options(options)) if options else self.config
-        check_inductor_config(config)
+        config = self.config
+        if options:
+            config = config.replace(**_checked_options(options))
+            check_inductor_config(config)
         if config.compiler == "none":
             raise InvalidConfigError(
                 "compiler='none' runs the model without torch.compile, so the fullcg compile backend cannot take it: "

@@ -639,6 +639,16 @@ def _cpu_confirms(verdict: str) -> bool:
         return False
 
 
+def probe_caches(classes: Any) -> list[Any]:
+    """Inductor's per-process caches of probe results and verdicts on instruction sets of
+    ``classes`` (and the classes they derive from): the cached methods they define, such as
+    ``__bool__`` and ``is_avx512_bf16_supported``. Keyed by set, so a copy's entries answer
+    for the set it copies."""
+    found = {id(f): f for klass in {k for c in classes for k in c.__mro__} for f in vars(klass).values()
+             if hasattr(f, "cache_clear") and hasattr(f, "cache_info")}
+    return list(found.values())
+
+
 #: The probe verdicts whose probes :func:`_recorded_vec_isa` knows how to answer from an
 #: entry (the AVX-512 sets' bf16 check); a set with any other keeps Inductor's probe.
 _ANSWERABLE_VERDICTS = frozenset({"_is_avx512_bf16_supported"})
@@ -686,8 +696,7 @@ def _recorded_vec_isa(cpu_vec_isa: types.ModuleType, facts: HostFacts) -> Iterat
           or not all(map(_cpu_confirms, facts.vec_isa_verdicts))):
         yield False
         return
-    caches = {id(f): f for klass in type(isa).__mro__ for f in vars(klass).values()
-              if hasattr(f, "cache_clear") and hasattr(f, "cache_info")}.values()
+    caches = probe_caches([type(isa)])
     if any(f.cache_info().currsize for f in caches):
         yield False
         return

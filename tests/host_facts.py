@@ -10,8 +10,8 @@ from fullcg.compile_cache import HostFacts
 
 def isa_taken_from_entry(entry: Path) -> bool:
     """Whether a fresh process loading graph entry ``entry`` takes its recorded instruction
-    set unprobed here (an x86 CPU that reports the set, whose flags the recorded verdicts
-    rebuild; not a set such as AMX whose flags Inductor caches)."""
+    set unprobed here (an x86 CPU that reports the set and the extensions its verdicts name,
+    whose flags the recorded verdicts rebuild; never an AMX set)."""
     from torch._inductor import cpu_vec_isa
 
     payload = entry.read_bytes().split(b"\n", 4)[4]
@@ -20,10 +20,8 @@ def isa_taken_from_entry(entry: Path) -> bool:
         return False
     # As in a fresh process: no probe's list or verdicts (this process's probes run again
     # when next needed).
-    caches = [cpu_vec_isa.valid_vec_isa_list]
-    caches += [f for klass in {k for i in cpu_vec_isa.supported_vec_isa_list for k in type(i).__mro__}
-               for f in vars(klass).values() if hasattr(f, "cache_clear") and hasattr(f, "cache_info")]
-    for cache in caches:
+    classes = [type(i) for i in cpu_vec_isa.supported_vec_isa_list]
+    for cache in [cpu_vec_isa.valid_vec_isa_list, *compile_cache.probe_caches(classes)]:
         cache.cache_clear()
     with compile_cache._recorded_vec_isa(cpu_vec_isa, facts) as offered:
         return offered

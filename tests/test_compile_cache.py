@@ -138,10 +138,8 @@ def vec_isa(monkeypatch):
     probes: list[str] = []
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: probes.append(str(isa)) or True)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    caches = [cpu_vec_isa.valid_vec_isa_list, cpu_vec_isa.VecISA._VecISA__bool__impl]
-    caches += [getattr(c, m) for c in {type(i) for i in cpu_vec_isa.supported_vec_isa_list}
-               for m in ("__bool__", "is_avx512_bf16_supported", "is_amx_fp16_supported")
-               if hasattr(getattr(c, m, None), "cache_clear")]
+    caches = [cpu_vec_isa.valid_vec_isa_list,
+              *compile_cache.probe_caches([type(i) for i in cpu_vec_isa.supported_vec_isa_list])]
     for cache in caches:
         cache.cache_clear()
     compile_cache.reset_cache_stats()

@@ -50,6 +50,9 @@ def test_a_setting_inductor_does_not_have_is_refused_when_the_backend_is_made():
         Backend(config)
     with pytest.raises(InvalidConfigError, match="no_such_setting"):
         fullcg.compile(torch.nn.Linear(2, 2), inductor_config={"no_such_setting": 1})
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(InvalidConfigError, match="no_such_setting"):  # torch.compile(..., options={...})
+        Backend()(gm, [torch.zeros(1, 2)], options={"inductor_config": {"no_such_setting": 1}})
     Backend(fullcg.FullCGConfig(inductor_config={"combo_kernels": True, "triton.cudagraphs": False}))  # dotted names
 
 
