@@ -39,6 +39,7 @@ from fullcg.passes import AttributesPass, PassManager, SplitGraph, SplitPointsPa
 from fullcg.passes.attributes import resolve_layer_keys
 from fullcg.passes.piece_key import piece_key
 from fullcg.passes.sibling_linears import FuseSiblingLinearsPass
+from fullcg.passes.skinny_linear import SkinnyLinearPass
 from fullcg.passes.split import Piece, reads_host_plan
 from fullcg.dispatch import CompiledModel
 from fullcg.regions import check_region_calls, inline_regions, region_calls
@@ -449,7 +450,8 @@ def _cached_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], con
 
 def _passes(config: FullCGConfig) -> PassManager:
     """The passes every graph goes through before it is split."""
-    return PassManager([FuseSiblingLinearsPass(), AttributesPass(config.skip_softmax), SplitPointsPass()])
+    skinny = [SkinnyLinearPass()] if config.skinny_linears else []
+    return PassManager([FuseSiblingLinearsPass(), *skinny, AttributesPass(config.skip_softmax), SplitPointsPass()])
 
 
 def _compile_graph(

@@ -322,6 +322,10 @@ class FullCGConfig:
             the cache, and the next process with the same model, step arguments and
             config compiles that graph from the cache and runs its first step without
             Dynamo's tracing (:mod:`fullcg.warm_start`).
+        skinny_linears: compiled graphs run their bias-free linears of fp16/bf16 CUDA
+            weights as ``fullcg::skinny_linear``: a one-pass GEMV for calls of one row (an
+            MLP's ``silu(gate) * up`` folded into it, up to eight rows), the library GEMM
+            for the rest (:mod:`fullcg.passes.skinny_linear`).
     """
 
     attention_impl: str = "auto"
@@ -343,6 +347,7 @@ class FullCGConfig:
     mla_mha_min_heads: int = 64
     trace_layers_once: bool = True
     warm_start: bool = True
+    skinny_linears: bool = True
     inductor_config: tuple[tuple[str, bool | int | float | str | None], ...] = ()
 
     def __post_init__(self) -> None:
@@ -395,7 +400,7 @@ class FullCGConfig:
             _positive_int(self.mla_mha_min_tokens, "mla_mha_min_tokens")
         _positive_int(self.mla_mha_min_heads, "mla_mha_min_heads")
         for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache", "trace_layers_once",
-                     "warm_start"):
+                     "warm_start", "skinny_linears"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.trust_shared_cache, bool):

@@ -10,6 +10,7 @@ from fullcg.ops.attention import (
     merge_attn_states,
     merge_prefix_chunks,
 )
+from fullcg.ops.linear import skinny_linear
 
 __all__ = [
     "ATTENTION_OPS",
@@ -20,4 +21,5 @@ __all__ = [
     "gather_prefix_chunk",
     "merge_attn_states",
     "merge_prefix_chunks",
+    "skinny_linear",
 ]
