@@ -1,4 +1,5 @@
-"""Command line: ``python -m fullcg demo``, ``python -m fullcg build-kernels`` (and ``--help``)."""
+"""Command line: ``python -m fullcg demo``, ``python -m fullcg build-kernels``,
+``python -m fullcg compile-bytecode`` (and ``--help``)."""
 
 from __future__ import annotations
 
@@ -402,6 +403,57 @@ def build_kernels_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def compile_bytecode_command(args: argparse.Namespace) -> int:
+    """Compile the bytecode of the packages a compiled step imports, for this Python."""
+    from fullcg import bytecode
+
+    packages = tuple(args.package) if args.package else bytecode.PACKAGES
+    unknown = [name for name in packages if not bytecode.locate(name)]
+    if args.package and unknown:
+        print(f"error: --package {unknown[0]!r} is not an importable package here (a name as `import` takes it: "
+              "torch, sympy, ...)", file=sys.stderr)
+        return 2
+    if args.workers < 0:
+        print(f"error: --workers must be 0 (one per CPU) or more, got {args.workers}", file=sys.stderr)
+        return 2
+    where = (f"under sys.pycache_prefix {sys.pycache_prefix}" if sys.pycache_prefix
+             else "in each package's __pycache__")
+    writing = "off (PYTHONDONTWRITEBYTECODE or -B)" if sys.dont_write_bytecode else "on"
+    print(f"fullcg compile-bytecode: {sys.implementation.cache_tag} bytecode, {where}; imports' bytecode "
+          f"writing here: {writing}")
+    surveyed = bytecode.survey(packages)
+    if args.dry_run:
+        for p in surveyed:
+            print(f"  {p.name:<18} {p.sources:5d} source(s), {p.missing:5d} without bytecode  {p.path}")
+        for p in bytecode.unwritable(surveyed):
+            print(f"  {p.name}: {p.cache_dir} is not writable (set PYTHONPYCACHEPREFIX to a writable directory, "
+                  "here and for the serving processes)")
+        missing = sum(p.missing for p in surveyed)
+        print(f"would compile {missing} of {sum(p.sources for p in surveyed)} source(s) (dry run: nothing written)")
+        if unknown:
+            print(f"not installed, skipped: {', '.join(unknown)}")
+        return 0
+    try:
+        result = bytecode.compile_bytecode(packages, workers=args.workers)
+    except bytecode.UnwritableBytecodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for p in result.packages:
+        print(f"  {p.name:<18} {p.cached:5d} of {p.sources:5d} source(s) with bytecode  {p.path}")
+    print(f"compiled {result.compiled} source(s) in {result.seconds:.1f} s"
+          + (f"; not installed, skipped: {', '.join(unknown)}" if unknown else ""))
+    if result.failed:
+        shown = ", ".join(str(f) for f in result.failed[:3])
+        print(f"{len(result.failed)} source(s) this Python cannot compile, left without bytecode (no import of "
+              f"the package reaches them, or it fails the same way): {shown}"
+              + (", ..." if len(result.failed) > 3 else ""))
+    still = bytecode.missing_bytecode()
+    if still and not args.package:
+        print(f"error: still without bytecode: {', '.join(map(str, still))}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fullcg", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -461,10 +513,25 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--capability", help="with --dry-run: plan for a GPU of this compute capability (MAJOR.MINOR, "
                    "9.0 for an H100/H200) on a machine without it")
     b.add_argument("-v", "--verbose", action="store_true", help="log what fullcg does")
+    c = sub.add_parser(
+        "compile-bytecode", help="compile the Python bytecode of torch and the other packages a compiled step "
+        "imports, once, so that no process compiles their sources again (where PYTHONDONTWRITEBYTECODE is set)",
+        description="Compile, for this Python, the bytecode of the packages a compiled fullcg step imports (torch, "
+        "sympy, Triton, fullcg and their like), where imports read it: each package's __pycache__, or under "
+        "PYTHONPYCACHEPREFIX when it is set (then set it for the serving processes too). Current bytecode is kept. "
+        "Exit status: 0 compiled, 1 a package's bytecode cannot be written there, 2 bad flags.")
+    c.add_argument("--package", action="append", metavar="NAME", help="an import package to compile instead of "
+                   "the default set (repeatable)")
+    c.add_argument("--workers", type=int, default=0, help="processes compiling (default 0: one per CPU)")
+    c.add_argument("--dry-run", action="store_true", help="list the packages and their sources without "
+                   "bytecode, write nothing")
+    c.add_argument("-v", "--verbose", action="store_true", help="log what fullcg does")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if args.command == "build-kernels":
         return build_kernels_command(args)
+    if args.command == "compile-bytecode":
+        return compile_bytecode_command(args)
     return demo(args)
 
 

@@ -41,6 +41,7 @@ def prefetch() -> None:
         if _started:
             return
         _started = True
+    from fullcg.bytecode import warn_if_uncached; warn_if_uncached()  # noqa: E702 - before torch's compiler imports
     try:
         # Imported here, on the caller's thread: two threads importing one package at once
         # can see each other's half-initialised modules.
