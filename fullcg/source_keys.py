@@ -41,7 +41,9 @@ def prefetch() -> None:
         if _started:
             return
         _started = True
-    from fullcg.bytecode import warn_if_uncached; warn_if_uncached()  # noqa: E702 - before torch's compiler imports
+    from fullcg.bytecode import warn_if_uncached
+
+    warn_if_uncached()  # before torch's compiler is imported: those imports are what it warns of
     try:
         # Imported here, on the caller's thread: two threads importing one package at once
         # can see each other's half-initialised modules.
