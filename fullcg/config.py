@@ -323,9 +323,10 @@ class FullCGConfig:
             config compiles that graph from the cache and runs its first step without
             Dynamo's tracing (:mod:`fullcg.warm_start`).
         skinny_linears: compiled graphs run their bias-free linears of fp16/bf16 CUDA
-            weights as ``fullcg::skinny_linear``: a one-pass GEMV for calls of one row (an
-            MLP's ``silu(gate) * up`` folded into it, up to eight rows), the library GEMM
-            for the rest (:mod:`fullcg.passes.skinny_linear`).
+            weights as ``fullcg::skinny_linear``: a one-pass GEMV for calls of one row, and
+            of up to eight rows for an MLP's gated projection (``silu(gate) * up`` folded
+            into it) and narrow weights; the library GEMM for the rest
+            (:mod:`fullcg.passes.skinny_linear`).
     """
 
     attention_impl: str = "auto"

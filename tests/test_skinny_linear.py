@@ -23,7 +23,8 @@ from fullcg.passes.skinny_linear import SkinnyLinearPass
 
 triton = pytest.importorskip("triton", reason="the GEMV is a Triton kernel: pip install triton")
 from fullcg.ops.kernels import gemv as gemv_module  # noqa: E402
-from fullcg.ops.kernels.gemv import GATED_ROWS, MAX_GATED_ROWS, ONE_ROW, GemvConfig, choose, gemv  # noqa: E402
+from fullcg.ops.kernels.gemv import (  # noqa: E402
+    GATED_ROWS, MAX_GATED_ROWS, NARROW_ROWS, ONE_ROW, GemvConfig, choose, gemv)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #: Small launch shapes, so the interpreter covers several programs and a ragged tail.
@@ -78,11 +79,13 @@ def test_gemv_refuses_what_it_cannot_compute():
         gemv(x, w.T.contiguous().T)
 
 
-def test_launch_choice_by_rows():
+def test_launch_choice_by_rows_and_shape():
     assert choose(1, gated=False) is ONE_ROW and choose(1, gated=True) is ONE_ROW
     assert all(choose(r, gated=True) is GATED_ROWS for r in range(2, MAX_GATED_ROWS + 1))
     assert choose(MAX_GATED_ROWS + 1, gated=True) is None
-    assert choose(2, gated=False) is None, "several rows of a plain projection stay with the library GEMM"
+    assert choose(2, False, 4096, 14336) is NARROW_ROWS and choose(8, False, 4096, 4096) is NARROW_ROWS
+    assert choose(2, False, 6144, 4096) is None, "several rows of a wide plain projection stay with the library GEMM"
+    assert choose(9, False, 4096, 14336) is None
 
 
 # --- the op -----------------------------------------------------------------------------
@@ -113,12 +116,15 @@ def test_op_takes_the_gemv_for_one_row_and_keeps_the_leading_dims(gemv_calls, ga
     _close(got, reference_skinny_linear(x.float(), w.float(), gated))
 
 
-def test_op_takes_the_gated_gemv_up_to_eight_rows_and_the_gemm_beyond(gemv_calls):
+def test_op_takes_the_gated_and_narrow_gemv_up_to_eight_rows_and_the_gemm_beyond(gemv_calls):
     x, w = _inputs(9, 64, 64, torch.float16)  # (the interpreter's bf16 tl.dot is wrong)
     _close(skinny_linear(x[:8], w, True), reference_skinny_linear(x[:8].float(), w.float(), True))
     _close(skinny_linear(x, w, True), reference_skinny_linear(x.float(), w.float(), True))
     _close(skinny_linear(x[:2], w, False), x[:2].float() @ w.float().T)
-    assert gemv_calls == [(8, True)], "9 gated rows and 2 plain rows run the library GEMM"
+    assert gemv_calls == [(8, True), (2, False)], "9 gated rows run the library GEMM"
+    wide = torch.cat([w, w])  # 128 outputs of 64 inputs
+    _close(skinny_linear(x[:2], wide, False), x[:2].float() @ wide.float().T)
+    assert gemv_calls == [(8, True), (2, False)], "2 rows of a wide plain projection run the library GEMM"
 
 
 def test_op_leaves_fp32_to_the_library_gemm(gemv_calls):
@@ -266,4 +272,4 @@ def test_compiled_llama_runs_its_decode_linears_as_gemvs_and_matches_eager(gemv_
     worst, _ = cuda_side_by_side(eager, model, fullcg.compile(model, config), config, prompts)
     assert worst < 3e-2, f"relative difference {worst}"
     assert (1, True) in gemv_calls and (1, False) in gemv_calls, "one-token steps take the gated and plain GEMVs"
-    assert (2, True) in gemv_calls, "two-row steps take the gated GEMV"
+    assert (2, True) in gemv_calls and (2, False) in gemv_calls, "two-row steps take the gated and narrow GEMVs"

@@ -71,7 +71,7 @@ def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -
             and fused._triton_available() and _gemv_device(x)):
         from fullcg.ops.kernels.gemv import choose, gemv
 
-        config = choose(rows, gated)
+        config = choose(rows, gated, weight.shape[0], k)
         flat = x.reshape(rows, k) if config is not None else None
         if flat is not None and flat.stride(1) == 1:
             out = gemv(flat, weight, gated=gated, config=config)

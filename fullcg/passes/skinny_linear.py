@@ -1,7 +1,7 @@
 """Bias-free linears of half-precision CUDA weights become ``fullcg::skinny_linear``.
 
-The op (:mod:`fullcg.ops.linear`) runs a one-pass GEMV when a call has one row (and, for
-an MLP's gated projection, up to eight): what a decode step's graph holds. Other calls run
+The op (:mod:`fullcg.ops.linear`) runs a one-pass GEMV when a call has one row (and up to
+eight for an MLP's gated projection or a narrow weight): what a decode step's graph holds. Other calls run
 the library GEMM as before, so the rewrite is safe in a graph that serves every step size.
 
 Two forms are rewritten, on the graph Dynamo traced (after the sibling-linear pass, so a

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fullcg.ops.kernels.launch import Launcher
 
-__all__ = ["GemvConfig", "gemv", "choose", "ONE_ROW", "GATED_ROWS", "MAX_GATED_ROWS"]
+__all__ = ["GemvConfig", "gemv", "choose", "ONE_ROW", "GATED_ROWS", "NARROW_ROWS", "MAX_GATED_ROWS"]
 
 
 @dataclass(frozen=True)
@@ -96,18 +96,25 @@ ONE_ROW = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=4)
 #: Two to sixteen rows, tensor cores, for the gated MLP projection: 2-3% under cuBLAS plus
 #: the SiLU kernel it replaces at 2-8 rows.
 GATED_ROWS = GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=2)
-#: The most rows the gated form takes; beyond, a GEMM and a separate activation win.
+#: Two to eight rows of a narrow plain projection (no more outputs than inputs: o_proj,
+#: down), where the library GEMM splits ``K`` over a second kernel: 0.92-0.97 of cuBLAS.
+NARROW_ROWS = GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
+#: The most rows the gated and narrow forms take; beyond, the library GEMM (and a separate
+#: activation) win.
 MAX_GATED_ROWS = 8
 
 
-def choose(rows: int, gated: bool) -> GemvConfig | None:
-    """The launch for ``rows`` rows, or None where the library GEMM is the faster choice
-    (several rows of a plain projection, where cuBLAS measured level or faster)."""
+def choose(rows: int, gated: bool, n: int | None = None, k: int | None = None) -> GemvConfig | None:
+    """The launch for ``rows`` rows of an ``n x k`` weight (``n`` outputs), or None where the
+    library GEMM is the faster choice: several rows of a plain projection with more outputs
+    than inputs (qkv, an ungated gate_up), where cuBLAS measured level or faster."""
     if rows == 1:
         return ONE_ROW
-    if gated and rows <= MAX_GATED_ROWS:
+    if rows > MAX_GATED_ROWS:
+        return None
+    if gated:
         return GATED_ROWS
-    return None
+    return NARROW_ROWS if n is not None and k is not None and n <= k else None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, gated: bool = False, config: GemvConfig = ONE_ROW,
