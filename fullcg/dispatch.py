@@ -294,6 +294,9 @@ class CompiledModel:
     def _compiled(self) -> Any:
         """``torch.compile`` of the model with the fullcg backend, made on first use."""
         if self._compiled_fn is None:
+            from fullcg.bytecode import warn_if_uncached
+
+            warn_if_uncached()  # (once a process) torch.compile imports Dynamo, whatever the compiler
             self._compiled_fn = torch.compile(self.model, backend=self.backend, options=self._compile_options)
         return self._compiled_fn
 
