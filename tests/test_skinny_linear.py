@@ -77,15 +77,23 @@ def test_gemv_refuses_what_it_cannot_compute():
         gemv(x, w[:31], gated=True)
     with pytest.raises(ValueError, match="contiguous along K"):
         gemv(x, w.T.contiguous().T)
+    with pytest.raises(ValueError, match=r"out must be \[1, 32\]"):
+        gemv(x, w, out=torch.empty(1, 16, dtype=x.dtype, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, out=torch.empty(1, 64, dtype=x.dtype, device=DEVICE)[:, ::2])
 
 
-def test_launch_choice_by_rows_and_shape():
-    assert choose(1, gated=False) is ONE_ROW and choose(1, gated=True) is ONE_ROW
-    assert all(choose(r, gated=True) is GATED_ROWS for r in range(2, MAX_GATED_ROWS + 1))
-    assert choose(MAX_GATED_ROWS + 1, gated=True) is None
-    assert choose(2, False, 4096, 14336) is NARROW_ROWS and choose(8, False, 4096, 4096) is NARROW_ROWS
-    assert choose(2, False, 6144, 4096) is None, "several rows of a wide plain projection stay with the library GEMM"
-    assert choose(9, False, 4096, 14336) is None
+def test_launch_choice_by_rows_shape_and_gpu_size():
+    big = dict(n=28672, k=4096, sms=132)
+    assert choose(1, False, **big) is ONE_ROW and choose(1, True, **big) is ONE_ROW
+    assert all(choose(r, True, **big) is GATED_ROWS for r in range(2, MAX_GATED_ROWS + 1))
+    assert choose(MAX_GATED_ROWS + 1, True, **big) is None
+    assert choose(2, False, 4096, 14336, 132) is NARROW_ROWS and choose(8, False, 4096, 4096, 132) is NARROW_ROWS
+    assert choose(2, False, 6144, 4096, 132) is None, "several rows of a wide plain projection stay with the library GEMM"
+    assert choose(9, False, 4096, 14336, 132) is None
+    # A tensor-parallel shard's MLP (1792 outputs: 56 programs of 32) cannot fill half of 132 SMs.
+    assert choose(2, True, 3584, 4096, 132) is None and choose(1, True, 3584, 4096, 132) is ONE_ROW
+    assert choose(2, True, 3584, 4096, 100) is GATED_ROWS
 
 
 # --- the op -----------------------------------------------------------------------------
@@ -176,6 +184,16 @@ def _traced(module: nn.Module, *inputs: torch.Tensor, passes=()) -> torch.fx.Gra
     return graphs[0]
 
 
+def _applying(*passes):
+    """A torch.compile backend that applies ``passes`` and runs the graph as traced."""
+    def backend(gm, example_inputs):
+        for p in passes:
+            p(gm.graph)
+        gm.recompile()
+        return gm
+    return backend
+
+
 def _targets(gm: torch.fx.GraphModule) -> list:
     return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
 
@@ -218,6 +236,10 @@ def test_pass_folds_sibling_slices_fused_by_the_sibling_pass():
     gm = _traced(m, x, passes=[FuseSiblingLinearsPass(), SkinnyLinearPass(devices=("cpu",))])
     assert _skinny(gm) == [True, False]
     assert "clone" not in _targets(gm)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got = torch.compile(m, backend=_applying(FuseSiblingLinearsPass(), SkinnyLinearPass(devices=("cpu",))))(x)
+        _close(got, m(x))
 
 
 def test_pass_keeps_the_activation_when_something_else_reads_it():
@@ -237,6 +259,92 @@ def test_pass_leaves_biased_fp32_and_other_device_linears_alone():
     half = nn.Linear(16, 8, bias=False, dtype=torch.bfloat16)
     assert _skinny(_traced(half, x, passes=[SkinnyLinearPass()])) == [], "CUDA weights only, by default"
     assert _skinny(_traced(half, x, passes=[SkinnyLinearPass(devices=("cpu",))])) == [False]
+
+
+class _Gated(nn.Module):
+    """``linear(x, w)`` split in two and gated, with the variations the pass must refuse."""
+
+    def __init__(self, rows: int = 64, *, form: str = "chunk", write_x: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(rows, 32, dtype=torch.bfloat16) / 32**0.5)
+        self.form, self.write_x = form, write_x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.w)
+        if self.write_x:
+            x.mul_(3)  # between the projection and its activation
+        h = y.shape[-1] // 2
+        if self.form == "chunk":
+            g, u = y.chunk(2, dim=-1)
+        elif self.form == "chunk_dim0":
+            g, u = y.chunk(2, dim=0)
+        elif self.form == "swapped":
+            u, g = y.chunk(2, dim=-1)
+        elif self.form == "partial":
+            g, u = y[..., : h - 4], y[..., h: 2 * h - 4]
+        else:
+            raise AssertionError(self.form)
+        return F.silu(g) * u
+
+
+@pytest.mark.parametrize("form,folded", [("chunk", True), ("chunk_dim0", False), ("swapped", False),
+                                         ("partial", False)])
+def test_pass_folds_only_the_two_halves_of_the_last_dimension_in_order(form, folded):
+    m = _Gated(form=form)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    gm = _traced(m, x, passes=[SkinnyLinearPass(devices=("cpu",))])
+    assert (True in _skinny(gm)) == folded, _targets(gm)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        _close(torch.compile(m, backend=_applying(SkinnyLinearPass(devices=("cpu",))))(x), m(x))
+
+
+def test_pass_folds_at_the_projection_so_a_later_write_to_its_input_is_not_seen():
+    m = _Gated(write_x=True)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = m(x.clone())
+        torch._dynamo.reset()
+        got = torch.compile(m, backend=_applying(SkinnyLinearPass(devices=("cpu",))))(x.clone())
+    _close(got, want)
+
+
+def test_pass_leaves_an_odd_projection_chunked_in_two_ungated():
+    m = _Gated(rows=3)  # chunk(2) gives 2 and 1 columns: a broadcasting product, not two halves
+    x = torch.randn(1, 32, dtype=torch.bfloat16)
+    gm = _traced(m, x, passes=[SkinnyLinearPass(devices=("cpu",))])
+    assert _skinny(gm) == [False]
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        _close(torch.compile(m, backend=_applying(SkinnyLinearPass(devices=("cpu",))))(x), m(x))
+
+
+def test_pass_leaves_linears_under_autocast_alone():
+    lin = nn.Linear(16, 8, bias=False, dtype=torch.bfloat16)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return lin(x)
+
+    x = torch.randn(2, 16)  # fp32 activations, bf16 weight: autocast casts x inside linear
+    graphs = []
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got = torch.compile(step, backend=lambda gm, ex: graphs.append(gm) or _applying(
+            SkinnyLinearPass(devices=("cpu",)))(gm, ex))(x)
+        _close(got, step(x))
+    assert _skinny(graphs[0]) == []
+
+
+def test_backend_runs_the_pass_unless_switched_off():
+    from fullcg.backend import _passes
+
+    def kinds(config):
+        return [type(p) for p in _passes(config).passes]
+
+    assert SkinnyLinearPass in kinds(fullcg.FullCGConfig())
+    assert SkinnyLinearPass not in kinds(fullcg.FullCGConfig(skinny_linears=False))
+    assert _passes(fullcg.FullCGConfig()).uuid() != _passes(fullcg.FullCGConfig(skinny_linears=False)).uuid()
 
 
 def test_pass_uuid_follows_its_devices():

@@ -19,16 +19,21 @@ graph. :class:`fullcg.passes.skinny_linear.SkinnyLinearPass` puts it there.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fullcg.ops import fused
+from fullcg.ops.device_facts import sm_count
 
 __all__ = ["skinny_linear", "reference_skinny_linear", "GEMV_DTYPES"]
 
 _lib = torch.library.Library("fullcg", "FRAGMENT")
 _lib.define("skinny_linear(Tensor x, Tensor weight, bool gated=False) -> Tensor")
+
+#: The most rows any GEMV launch takes (more: the library GEMM, decided before anything else).
+_MAX_ROWS = 8
 
 #: Weight dtypes the GEMV takes (fp32 stays with the library GEMM, whose accumulation
 #: order tests compare against at tight tolerances).
@@ -63,18 +68,31 @@ def _gemv_device(x: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FULLCG_FUSED_TRITON_ON_CPU") == "1"
 
 
+_kernels: Any = None  # fullcg.ops.kernels.gemv, imported (with Triton) on first use
+
+
+def _gemv_module() -> Any:
+    global _kernels
+    if _kernels is None:
+        from fullcg.ops.kernels import gemv
+
+        _kernels = gemv
+    return _kernels
+
+
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     _check(x, weight, gated)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (rows and weight.dtype in GEMV_DTYPES and x.dtype == weight.dtype and weight.stride(1) == 1
+    # Above the GEMV's row counts (a prefill, uncaptured) straight to the library GEMM: this
+    # path's host time is paid per linear when pieces run outside a CUDA graph.
+    if (0 < rows <= _MAX_ROWS and weight.dtype in GEMV_DTYPES and x.dtype == weight.dtype and weight.stride(1) == 1
             and fused._triton_available() and _gemv_device(x)):
-        from fullcg.ops.kernels.gemv import choose, gemv
-
-        config = choose(rows, gated, weight.shape[0], k)
+        kernels = _gemv_module()
+        config = kernels.choose(rows, gated, weight.shape[0], k, sm_count(x.device))
         flat = x.reshape(rows, k) if config is not None else None
         if flat is not None and flat.stride(1) == 1:
-            out = gemv(flat, weight, gated=gated, config=config)
+            out = kernels.gemv(flat, weight, gated=gated, config=config)
             return out.view(*x.shape[:-1], out.shape[-1])
     y = F.linear(x, weight)
     if not gated:

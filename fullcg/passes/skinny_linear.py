@@ -20,8 +20,10 @@ GEMM on them, and CPU graphs keep Inductor's own choices).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -124,16 +126,19 @@ class SkinnyLinearPass:
     def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
         self.devices = tuple(devices)
 
-    def _eligible(self, weight: torch.fx.Node) -> bool:
-        found = _weight(weight)
-        return found is not None and found[0].dtype in GEMV_DTYPES and found[0].device.type in self.devices
+    def _eligible(self, x: torch.fx.Node, weight: torch.fx.Node) -> bool:
+        """A weight of the devices and dtypes the GEMV takes, and an input of the same dtype
+        (under autocast they differ, and the op has no autocast rule: left to ``linear``)."""
+        found, x_value = _weight(weight), _value(x)
+        return (found is not None and x_value is not None and found[0].dtype in GEMV_DTYPES
+                and x_value.dtype == found[0].dtype and found[0].device.type in self.devices)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gated = sum(self._gate(graph, node) for node in list(graph.nodes) if not node._erased)
         plain = 0
         for node in list(graph.nodes):
             found = _bias_free_linear(node)
-            if found is not None and self._eligible(found[1]):
+            if found is not None and self._eligible(*found):
                 node.target = skinny_linear
                 node.args, node.kwargs = (found[0], found[1], False), {}
                 plain += 1
@@ -157,17 +162,21 @@ class SkinnyLinearPass:
                 continue
             (linear, i, gate_between), (linear_up, j, up_between) = gate_half, up_half
             found = _bias_free_linear(linear)
-            if linear is not linear_up or found is None or not self._eligible(found[1]):
+            if linear is not linear_up or found is None or not self._eligible(*found):
                 continue
+            rows = _weight(found[1])[1]  # type: ignore[index]
+            if not isinstance(rows, int) or rows % 2:
+                continue  # (an odd chunk(2) gives unequal halves, a broadcasting product)
             if (i, j) != (0, 1):  # column slices: [0, h) and [h, 2h) of 2h columns
-                rows = _weight(found[1])[1]  # type: ignore[index]
                 if not (isinstance(i, tuple) and isinstance(j, tuple) and i[0] == 0 and i[1] == j[0]
                         and j[1] == rows == 2 * i[1]):
                     continue
             dead = {silu, *gate_between, *up_between}
             if any(user not in dead and user is not mul for n in [linear, *dead] for user in n.users):
                 continue
-            with graph.inserting_before(mul):
+            # Where the linear ran, not where the product is: a write to x or the weight
+            # between the two must not reach the projection.
+            with graph.inserting_before(linear):
                 fused = graph.call_function(skinny_linear, (found[0], found[1], True))
             fused.meta.update(mul.meta)
             mul.replace_all_uses_with(fused)
@@ -178,4 +187,5 @@ class SkinnyLinearPass:
         return False
 
     def uuid(self) -> str:
-        return source_hash(self, self.devices)
+        # The matching lives in this module's functions, not only in the class.
+        return source_hash(self, self.devices, inspect.getsource(sys.modules[__name__]))

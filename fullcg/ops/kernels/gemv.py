@@ -104,17 +104,20 @@ NARROW_ROWS = GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
 MAX_GATED_ROWS = 8
 
 
-def choose(rows: int, gated: bool, n: int | None = None, k: int | None = None) -> GemvConfig | None:
-    """The launch for ``rows`` rows of an ``n x k`` weight (``n`` outputs), or None where the
-    library GEMM is the faster choice: several rows of a plain projection with more outputs
-    than inputs (qkv, an ungated gate_up), where cuBLAS measured level or faster."""
+def choose(rows: int, gated: bool, n: int, k: int, sms: int) -> GemvConfig | None:
+    """The launch for ``rows`` rows of an ``n x k`` weight (``n`` outputs; ``gated`` writes
+    ``n / 2``) on a GPU of ``sms`` multiprocessors, or None where the library GEMM is the
+    faster choice: several rows of a plain projection with more outputs than inputs (qkv,
+    an ungated gate_up), where cuBLAS measured level or faster, and several rows over too
+    few programs to occupy half the GPU (a GEMM splits ``K`` to fill it; a tensor-parallel
+    shard's MLP, 56 programs on 132 SMs, measured 1.1x cuBLAS)."""
     if rows == 1:
         return ONE_ROW
-    if rows > MAX_GATED_ROWS:
+    if rows > MAX_GATED_ROWS or not (gated or n <= k):
         return None
-    if gated:
-        return GATED_ROWS
-    return NARROW_ROWS if n is not None and k is not None and n <= k else None
+    config = GATED_ROWS if gated else NARROW_ROWS
+    programs = -(-(n // 2 if gated else n) // config.block_n)
+    return config if 2 * programs >= sms else None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, gated: bool = False, config: GemvConfig = ONE_ROW,
@@ -135,6 +138,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, gated: bool = False, config: GemvC
     n_out = n // 2 if gated else n
     if out is None:
         out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"gemv's out must be [{m}, {n_out}] of {x.dtype}, contiguous along its rows; got "
+                         f"{tuple(out.shape)} of {out.dtype} with strides {out.stride()}")
     _GEMV((triton.cdiv(n_out, config.block_n), 1, 1),
           (x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out * w.stride(0)),
           (1 if m == 1 else 16, config.block_n, config.block_k, gated, k % config.block_k == 0),
