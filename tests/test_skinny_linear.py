@@ -17,6 +17,7 @@ from torch import nn
 
 import fullcg
 from fullcg.models.llama import LlamaConfig, LlamaMLP, LlamaModel
+from fullcg.ops import linear as linear_module
 from fullcg.ops.linear import reference_skinny_linear, skinny_linear
 from fullcg.passes.sibling_linears import FuseSiblingLinearsPass
 from fullcg.passes.skinny_linear import SkinnyLinearPass
@@ -103,6 +104,8 @@ def test_launch_choice_by_rows_shape_and_gpu_size():
 def gemv_calls(monkeypatch):
     """The op's GEMV launches (rows, gated), with the kernel taken on the CPU too."""
     monkeypatch.setenv("FULLCG_FUSED_TRITON_ON_CPU", "1")
+    # A one-multiprocessor GPU, so the small test shapes fill it at several rows, as large ones fill a real GPU.
+    monkeypatch.setattr(linear_module, "sm_count", lambda device: 1)
     calls = []
     real = gemv_module.gemv
 
