@@ -17,7 +17,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-import fullcg  # noqa: F401  (registers the ops)
 from fullcg.ops.linear import skinny_linear
 
 
