@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from decode import copy_bandwidth  # (this folder's scripts: run from it, or as benchmarks/gemv.py)
 from fullcg.ops import fused
 from fullcg.ops.kernels.gemv import GemvConfig, gemv
+from mla import graph_ms
 
 SHAPES = {  # name: (N, K, gated)
     "qkv": (6144, 4096, False),
@@ -34,43 +35,6 @@ SHAPES = {  # name: (N, K, gated)
     "down": (4096, 14336, False),
     "lm_head": (128256, 4096, False),
 }
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * (1 << 30) / statistics.median(times[2:])
-
-
-def time_launches(calls: list, repeats: int) -> float:
-    """Median microseconds per call over replays of one graph of all ``calls`` in turn."""
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -85,7 +49,13 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
 
-    bw = copy_bandwidth()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+
+    def time_launches(calls: list, repeats: int) -> float:
+        """Median microseconds per call over replays of one CUDA graph of all ``calls`` in turn."""
+        return graph_ms(lambda i: calls[i % len(calls)](), len(calls), dev, repeats) * 1e3
+
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_tbs": bw / 1e12,
                "rows": []}
