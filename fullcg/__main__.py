@@ -447,6 +447,11 @@ def compile_bytecode_command(args: argparse.Namespace) -> int:
         print(f"{len(result.failed)} source(s) this Python cannot compile, left without bytecode (no import of "
               f"the package reaches them, or it fails the same way): {shown}"
               + (", ..." if len(result.failed) > 3 else ""))
+    if result.unwritten:
+        shown = "; ".join(f"{source} ({why})" for source, why in result.unwritten[:3])
+        print(f"error: the bytecode of {len(result.unwritten)} source(s) could not be written: {shown}"
+              + ("; ..." if len(result.unwritten) > 3 else ""), file=sys.stderr)
+        return 1
     still = bytecode.missing_bytecode()
     if still and not args.package:
         print(f"error: still without bytecode: {', '.join(map(str, still))}", file=sys.stderr)
@@ -519,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Compile, for this Python, the bytecode of the packages a compiled fullcg step imports (torch, "
         "sympy, Triton, fullcg and their like), where imports read it: each package's __pycache__, or under "
         "PYTHONPYCACHEPREFIX when it is set (then set it for the serving processes too). Current bytecode is kept. "
-        "Exit status: 0 compiled, 1 a package's bytecode cannot be written there, 2 bad flags.")
+        "Exit status: 0 compiled, 1 bytecode that cannot be written there (or torch's checked modules still "
+        "without it), 2 bad flags.")
     c.add_argument("--package", action="append", metavar="NAME", help="an import package to compile instead of "
                    "the default set (repeatable)")
     c.add_argument("--workers", type=int, default=0, help="processes compiling (default 0: one per CPU)")

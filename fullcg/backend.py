@@ -118,6 +118,9 @@ def check_inductor_config(config: FullCGConfig) -> None:
     """Refuse ``config.inductor_config`` names that this torch's Inductor does not have."""
     if not config.inductor_config:
         return
+    from fullcg.bytecode import warn_if_uncached
+
+    warn_if_uncached()  # (once a process) before Inductor's config module brings most of torch's compiler
     import torch._inductor.config as inductor_config
 
     known = getattr(inductor_config, "_config", None)

@@ -25,6 +25,7 @@ fullcg never changes an interpreter setting (``sys.dont_write_bytecode``,
 from __future__ import annotations
 
 import compileall
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -56,11 +57,11 @@ logger = logging.getLogger(__name__)
 
 #: The import packages a compiled step imports, in the order compiled: torch's (with its
 #: sibling packages), Inductor's sympy (with mpmath) and networkx, numpy, Triton, Inductor's
-#: jinja2 templates, filelock, and fullcg itself. Those not installed are skipped. Found by
+#: jinja2 templates, filelock, dill and tqdm (where Inductor finds them), and fullcg itself. Those not installed are skipped. Found by
 #: listing ``sys.modules`` after ``import torch._inductor.compile_fx``.
 PACKAGES: tuple[str, ...] = (
     "torch", "functorch", "torchgen", "sympy", "mpmath", "networkx", "numpy", "triton", "jinja2", "markupsafe",
-    "filelock", "typing_extensions", "fullcg",
+    "filelock", "typing_extensions", "dill", "tqdm", "fullcg",
 )
 
 #: Modules whose bytecode stands for the rest (package, path inside it): ``import torch``,
@@ -107,23 +108,27 @@ class PackageBytecode:
 @dataclasses.dataclass(frozen=True)
 class CompileResult:
     """What :func:`compile_bytecode` did: the packages as they are after it, how many sources
-    it compiled, those it could not (sources this Python cannot compile, which no import of
-    these packages reaches), and how long it took."""
+    it compiled, those it could not (``failed``: sources this Python cannot compile, which no
+    import of these packages reaches), those whose bytecode could not be written
+    (``unwritten``: a read-only folder inside a package, a full disk), and how long it took."""
 
     packages: tuple[PackageBytecode, ...]
     compiled: int
     failed: tuple[Path, ...]
     seconds: float
+    unwritten: tuple[tuple[Path, str], ...] = ()
 
 
-def is_cached(source: str | os.PathLike[str]) -> bool:
+def is_cached(source: str | os.PathLike[str], *, verify_hash: bool = False) -> bool:
     """Whether ``source`` has bytecode this interpreter would import instead of compiling it:
     at ``importlib.util.cache_from_source(source)`` (which honours ``sys.pycache_prefix`` and
-    the ``-O`` level), of this Python's magic number, and, for timestamp-checked bytecode,
-    of the source's current modification time and size."""
+    the ``-O`` level), of this Python's magic number and known flags, and, for
+    timestamp-checked bytecode, of the source's current modification time and size.
+    Hash-checked bytecode is trusted unless ``verify_hash`` (then the source is read and
+    hashed, as the import would: for a survey, not for a process's start)."""
     try:
         cache = importlib.util.cache_from_source(os.fspath(source))
-        with open(cache, "rb") as f:
+        with open(cache, "rb", buffering=0) as f:
             header = f.read(16)
         st = os.stat(source)
     except (OSError, NotImplementedError, ValueError):
@@ -131,8 +136,16 @@ def is_cached(source: str | os.PathLike[str]) -> bool:
     if len(header) < 16 or header[:4] != importlib.util.MAGIC_NUMBER:
         return False
     flags = int.from_bytes(header[4:8], "little")
-    if flags & 0b1:  # hash-based: the import checks the hash (or trusts it); not re-hashed here
-        return True
+    if flags & ~0b11:  # bits this Python does not know: its import rejects the file
+        return False
+    if flags & 0b1:  # hash-based: bit 1 says whether the import checks the hash
+        if not verify_hash or not flags & 0b10:
+            return True
+        try:
+            with open(source, "rb") as f:
+                return importlib.util.source_hash(f.read()) == header[8:16]
+        except OSError:
+            return False
     mtime, size = int.from_bytes(header[8:12], "little"), int.from_bytes(header[12:16], "little")
     return mtime == int(st.st_mtime) & 0xFFFFFFFF and size == st.st_size & 0xFFFFFFFF
 
@@ -199,7 +212,8 @@ def survey(packages: Iterable[str] | None = None) -> tuple[PackageBytecode, ...]
     for name in PACKAGES if packages is None else packages:
         for path in locate(name):
             sources = list(_sources(path))
-            found.append(PackageBytecode(name, path, len(sources), sum(map(is_cached, sources)), _cache_dir(path)))
+            cached = sum(is_cached(source, verify_hash=True) for source in sources)
+            found.append(PackageBytecode(name, path, len(sources), cached, _cache_dir(path)))
     return tuple(found)
 
 
@@ -232,19 +246,51 @@ def compile_bytecode(packages: Iterable[str] | None = None, *, workers: int = 0)
             "environment of every process that should read the bytecode (Python then reads and writes all bytecode "
             "under that directory, and nowhere else)")
     failed: list[Path] = []
-    for package in before:
-        if not package.missing:
-            continue
-        # quiet=2: compileall would print each failure (from worker processes, too); the
-        # survey after it says which sources still have no bytecode instead.
-        if package.path.is_file():
-            compileall.compile_file(package.path, quiet=2, invalidation_mode=INVALIDATION_MODE)
-        else:
-            compileall.compile_dir(package.path, quiet=2, workers=workers, invalidation_mode=INVALIDATION_MODE)
-        failed += [s for s in _sources(package.path) if not is_cached(s)]
+    unwritten: list[tuple[Path, str]] = []
+    with _prefix_for_workers():
+        for package in before:
+            if not package.missing:
+                continue
+            # quiet=2: compileall would print each failure (from worker processes, too); the
+            # sources still without current bytecode are compiled once more below, one by one.
+            if package.path.is_file():
+                compileall.compile_file(package.path, quiet=2, invalidation_mode=INVALIDATION_MODE)
+            else:
+                compileall.compile_dir(package.path, quiet=2, workers=workers, invalidation_mode=INVALIDATION_MODE)
+            for source in _sources(package.path):
+                if is_cached(source, verify_hash=True):
+                    continue
+                # What compileall skipped (its freshness check reads the modification time but
+                # not the size) or could not do: compiled here, and a failure told apart, a
+                # source this Python cannot compile from bytecode it cannot write.
+                try:
+                    py_compile.compile(os.fspath(source), doraise=True, invalidation_mode=INVALIDATION_MODE)
+                except py_compile.PyCompileError:
+                    failed.append(source)
+                except OSError as exc:
+                    unwritten.append((source, f"{type(exc).__name__}: {exc}"))
     after = survey(packages)
     compiled = sum(p.cached for p in after) - sum(p.cached for p in before)
-    return CompileResult(after, compiled, tuple(failed), time.perf_counter() - start)
+    return CompileResult(after, compiled, tuple(failed), time.perf_counter() - start, tuple(unwritten))
+
+
+@contextlib.contextmanager
+def _prefix_for_workers() -> Iterator[None]:
+    """``sys.pycache_prefix`` given to compileall's worker processes: a spawned or forkserver
+    worker is a fresh interpreter that reads ``PYTHONPYCACHEPREFIX`` but is not passed
+    ``-X pycache_prefix``, and would write next to the sources."""
+    prefix = sys.pycache_prefix
+    saved = os.environ.get("PYTHONPYCACHEPREFIX")
+    if prefix is not None:
+        os.environ["PYTHONPYCACHEPREFIX"] = os.path.abspath(prefix)
+    try:
+        yield
+    finally:
+        if prefix is not None:
+            if saved is None:
+                os.environ.pop("PYTHONPYCACHEPREFIX", None)
+            else:
+                os.environ["PYTHONPYCACHEPREFIX"] = saved
 
 
 def warn_if_uncached() -> None:
@@ -264,8 +310,9 @@ def warn_if_uncached() -> None:
     if missing:
         log_once(
             _WARNED_KEY, logger, logging.WARNING,
-            "fullcg: %s has no bytecode for this Python (%s) and bytecode writing is off (PYTHONDONTWRITEBYTECODE "
+            "fullcg: %s has no current bytecode for this Python (%s) and bytecode writing is off (PYTHONDONTWRITEBYTECODE "
             "or -B), so every process compiles torch's sources again as it imports them (measured on one host: "
             "import torch 3.9-5.4 s, torch's compiler 8.3-10.1 s more). Compile them once where the packages are "
-            "installed (an image build): python -m fullcg compile-bytecode",
-            missing[0], sys.implementation.cache_tag)
+            "installed (an image build): %spython -m fullcg compile-bytecode",
+            missing[0], sys.implementation.cache_tag,
+            f"PYTHONPYCACHEPREFIX={os.path.abspath(sys.pycache_prefix)} " if sys.pycache_prefix else "")

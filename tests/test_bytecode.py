@@ -58,7 +58,7 @@ def test_packages_not_installed_are_skipped(package):
     assert [p.name for p in bytecode.survey()] == ["bcpkg"]
 
 
-def test_compiled_bytecode_is_found_and_imported(package):
+def test_compiled_bytecode_is_found_where_imports_read_it(package):
     result = bytecode.compile_bytecode(workers=1)
     assert bytecode.missing_bytecode() == []
     assert result.compiled == 3 and result.failed == ()
@@ -99,6 +99,100 @@ def test_sources_this_python_cannot_compile_are_reported_not_raised(package):
 def test_compiling_with_worker_processes_gives_the_same_bytecode(package):
     result = bytecode.compile_bytecode(workers=2)
     assert result.compiled == 3 and bytecode.missing_bytecode() == []
+    cache = Path(importlib.util.cache_from_source(str(package / "sub" / "compiler.py")))
+    serial = cache.read_bytes()
+    cache.unlink()
+    bytecode.compile_bytecode(workers=1)
+    assert cache.read_bytes() == serial
+
+
+def test_compiled_bytecode_is_what_a_python_without_bytecode_writing_imports(package):
+    import subprocess
+
+    bytecode.compile_bytecode(workers=1)
+    env = {**os.environ, "PYTHONPATH": str(package.parent), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    out = subprocess.run([sys.executable, "-v", "-c", "import bcpkg.sub.compiler"], env=env, capture_output=True,
+                         text=True, check=True).stderr
+    assert f"# code object from '{importlib.util.cache_from_source(str(package / 'sub' / 'compiler.py'))}'" in out
+    assert "matches" in out
+
+
+def test_a_source_edited_in_place_with_its_modification_time_kept_is_compiled_again(package):
+    bytecode.compile_bytecode(workers=1)
+    source = package / "sub" / "compiler.py"
+    st = source.stat()
+    source.write_text("def compile():\n    return 'a longer body'\n")
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))  # the size alone says it changed
+    assert bytecode.missing_bytecode() == [source]
+    result = bytecode.compile_bytecode(workers=1)
+    assert result.compiled == 1 and result.failed == () and bytecode.missing_bytecode() == []
+
+
+def test_stale_hash_checked_bytecode_is_found_and_replaced(package):
+    import py_compile
+
+    source = package / "sub" / "compiler.py"
+    py_compile.compile(str(source), doraise=True, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    assert bytecode.is_cached(source, verify_hash=True)
+    source.write_text("def compile():\n    return 'edited'\n")
+    assert bytecode.is_cached(source), "the startup check trusts a hash (it does not read sources)"
+    assert not bytecode.is_cached(source, verify_hash=True)
+    bytecode.compile_bytecode(workers=1)
+    assert bytecode.is_cached(source, verify_hash=True)
+
+
+def test_bytecode_with_flags_this_python_does_not_know_is_not_current(package):
+    bytecode.compile_bytecode(workers=1)
+    source = package / "__init__.py"
+    cache = Path(importlib.util.cache_from_source(str(source)))
+    data = bytearray(cache.read_bytes())
+    data[4] |= 0b100
+    cache.write_bytes(bytes(data))
+    assert not bytecode.is_cached(source)
+
+
+def test_bytecode_that_cannot_be_written_is_reported_apart_from_sources_that_cannot_compile(package, monkeypatch,
+                                                                                           capsys):
+    import compileall
+    import py_compile
+
+    (package / "broken.py").write_text("def (:\n")
+    real = py_compile.compile
+    read_only = str(package / "sub" / "compiler.py")
+
+    def compile_one(file, *args, **kwargs):
+        if str(file) == read_only:
+            raise PermissionError(13, "Permission denied", file)
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(compileall, "compile_dir", lambda *a, **k: True)  # leaves everything to the retry
+    monkeypatch.setattr(py_compile, "compile", compile_one)
+    result = bytecode.compile_bytecode(workers=1)
+    assert result.failed == (package / "broken.py",)
+    assert [source for source, _ in result.unwritten] == [package / "sub" / "compiler.py"]
+    assert "PermissionError" in result.unwritten[0][1]
+    assert main(["compile-bytecode", "--workers", "1"]) == 1
+    assert "could not be written" in capsys.readouterr().err
+
+
+def test_worker_processes_are_given_the_pycache_prefix(package, tmp_path, monkeypatch):
+    import compileall
+
+    prefix = tmp_path / "prefix"
+    monkeypatch.setattr(sys, "pycache_prefix", str(prefix))
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    seen = []
+    real = compileall.compile_dir
+
+    def spy(*args, **kwargs):
+        seen.append(os.environ.get("PYTHONPYCACHEPREFIX"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compileall, "compile_dir", spy)
+    bytecode.compile_bytecode(workers=2)
+    assert seen == [str(prefix)], "a spawned worker reads the prefix from its environment"
+    assert "PYTHONPYCACHEPREFIX" not in os.environ, "and the environment is restored after"
 
 
 def test_an_unwritable_cache_directory_raises_naming_the_fix_before_compiling(package, monkeypatch):
@@ -158,7 +252,7 @@ class _Stop(Exception):
     """Stops the prefetch where the check ran, before it imports torch's compiler."""
 
 
-def test_the_check_runs_before_the_compilers_first_import(monkeypatch):
+def test_the_check_runs_before_the_source_key_prefetch_imports_the_compiler(monkeypatch):
     monkeypatch.setattr(source_keys, "_started", False)
 
     def check() -> None:
@@ -167,6 +261,42 @@ def test_the_check_runs_before_the_compilers_first_import(monkeypatch):
     monkeypatch.setattr(bytecode, "warn_if_uncached", check)
     with pytest.raises(_Stop):
         source_keys.prefetch()
+
+
+def test_the_check_runs_before_inductor_settings_are_checked(monkeypatch):
+    import fullcg
+    from fullcg.backend import check_inductor_config
+
+    monkeypatch.setattr(bytecode, "warn_if_uncached", lambda: (_ for _ in ()).throw(_Stop()))
+    with pytest.raises(_Stop):
+        check_inductor_config(fullcg.FullCGConfig(inductor_config={"combo_kernels": True}))
+
+
+def test_the_check_runs_before_torch_compile_is_made(monkeypatch):
+    import torch
+
+    import fullcg
+
+    calls = []
+    monkeypatch.setattr(bytecode, "warn_if_uncached", lambda: calls.append("checked"))
+    model = torch.nn.Linear(2, 2)
+    compiled = fullcg.compile(model, fullcg.FullCGConfig(compiler="eager", compile_cache=False))
+    calls.clear()
+    compiled._compiled
+    assert calls == ["checked"]
+
+
+def test_a_failing_check_is_logged_at_debug_and_never_raised(package, fresh_warning, monkeypatch, caplog):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+
+    def broken(files=None):
+        raise PermissionError("no")
+
+    monkeypatch.setattr(bytecode, "missing_bytecode", broken)
+    with caplog.at_level(logging.DEBUG, logger="fullcg"):
+        bytecode.warn_if_uncached()
+    assert _warnings(caplog) == []
+    assert any("check skipped" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
 
 
 def test_the_command_lists_what_it_would_compile_and_writes_nothing(package, capsys):
