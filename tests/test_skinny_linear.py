@@ -18,14 +18,14 @@ from torch import nn
 import fullcg
 from fullcg.models.llama import LlamaConfig, LlamaMLP, LlamaModel
 from fullcg.ops import linear as linear_module
-from fullcg.ops.linear import reference_skinny_linear, skinny_linear
+from fullcg.ops.linear import MAX_GEMV_ROWS, reference_skinny_linear, skinny_linear
 from fullcg.passes.sibling_linears import FuseSiblingLinearsPass
 from fullcg.passes.skinny_linear import SkinnyLinearPass
 
 triton = pytest.importorskip("triton", reason="the GEMV is a Triton kernel: pip install triton")
 from fullcg.ops.kernels import gemv as gemv_module  # noqa: E402
 from fullcg.ops.kernels.gemv import (  # noqa: E402
-    GATED_ROWS, MAX_GATED_ROWS, NARROW_ROWS, ONE_ROW, GemvConfig, choose, gemv)
+    GATED_ROWS, NARROW_ROWS, ONE_ROW, GemvConfig, choose, gemv)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #: Small launch shapes, so the interpreter covers several programs and a ragged tail.
@@ -87,8 +87,8 @@ def test_gemv_refuses_what_it_cannot_compute():
 def test_launch_choice_by_rows_shape_and_gpu_size():
     big = dict(n=28672, k=4096, sms=132)
     assert choose(1, False, **big) is ONE_ROW and choose(1, True, **big) is ONE_ROW
-    assert all(choose(r, True, **big) is GATED_ROWS for r in range(2, MAX_GATED_ROWS + 1))
-    assert choose(MAX_GATED_ROWS + 1, True, **big) is None
+    assert all(choose(r, True, **big) is GATED_ROWS for r in range(2, MAX_GEMV_ROWS + 1))
+    assert choose(MAX_GEMV_ROWS + 1, True, **big) is None
     assert choose(2, False, 4096, 14336, 132) is NARROW_ROWS and choose(8, False, 4096, 4096, 132) is NARROW_ROWS
     assert choose(2, False, 6144, 4096, 132) is None, "several rows of a wide plain projection stay with the library GEMM"
     assert choose(9, False, 4096, 14336, 132) is None

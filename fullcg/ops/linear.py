@@ -18,7 +18,6 @@ graph. :class:`fullcg.passes.skinny_linear.SkinnyLinearPass` puts it there.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -27,13 +26,14 @@ import torch.nn.functional as F
 from fullcg.ops import fused
 from fullcg.ops.device_facts import sm_count
 
-__all__ = ["skinny_linear", "reference_skinny_linear", "GEMV_DTYPES"]
+__all__ = ["skinny_linear", "reference_skinny_linear", "GEMV_DTYPES", "MAX_GEMV_ROWS"]
 
 _lib = torch.library.Library("fullcg", "FRAGMENT")
 _lib.define("skinny_linear(Tensor x, Tensor weight, bool gated=False) -> Tensor")
 
-#: The most rows any GEMV launch takes (more: the library GEMM, decided before anything else).
-_MAX_ROWS = 8
+#: The most rows a GEMV launch takes (:func:`fullcg.ops.kernels.gemv.choose`); more go to
+#: the library GEMM, decided before anything else, as the op's host time outside a graph.
+MAX_GEMV_ROWS = 8
 
 #: Weight dtypes the GEMV takes (fp32 stays with the library GEMM, whose accumulation
 #: order tests compare against at tight tolerances).
@@ -61,13 +61,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> None:
                          "one device")
 
 
-def _gemv_device(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        return x.device.index == torch.cuda.current_device()
-    # CPU tests run the kernel under Triton's interpreter when asked.
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FULLCG_FUSED_TRITON_ON_CPU") == "1"
-
-
 _kernels: Any = None  # fullcg.ops.kernels.gemv, imported (with Triton) on first use
 
 
@@ -86,8 +79,8 @@ def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -
     rows = x.numel() // k if k else 0
     # Above the GEMV's row counts (a prefill, uncaptured) straight to the library GEMM: this
     # path's host time is paid per linear when pieces run outside a CUDA graph.
-    if (0 < rows <= _MAX_ROWS and weight.dtype in GEMV_DTYPES and x.dtype == weight.dtype and weight.stride(1) == 1
-            and fused._triton_available() and _gemv_device(x)):
+    if (0 < rows <= MAX_GEMV_ROWS and weight.dtype in GEMV_DTYPES and x.dtype == weight.dtype
+            and weight.stride(1) == 1 and fused._use_triton(x)):
         kernels = _gemv_module()
         config = kernels.choose(rows, gated, weight.shape[0], k, sm_count(x.device))
         flat = x.reshape(rows, k) if config is not None else None

@@ -31,12 +31,12 @@ import torch.fx
 
 from fullcg.ops.linear import GEMV_DTYPES, skinny_linear
 from fullcg.passes.manager import source_hash
+from fullcg.passes.sibling_linears import _LINEAR
 
 __all__ = ["SkinnyLinearPass"]
 
 logger = logging.getLogger(__name__)
 
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _SILU = (torch.nn.functional.silu, torch._C._nn.silu)
 _MUL = (operator.mul, torch.mul)
 
@@ -67,7 +67,8 @@ def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def _weight(node: torch.fx.Node) -> tuple[torch.Tensor, int] | None:
     """The tensor Dynamo recorded for ``node`` (or for the weight it takes a row slice of,
-    as the sibling-linear pass writes them, without example values) and ``node``'s rows."""
+    as the sibling-linear pass writes them, without example values) and ``node``'s rows.
+    (Open-ended slices such as ``W[:a]`` count too, unlike the sibling pass's ``_row_slice``.)"""
     value = _value(node)
     if value is not None:
         return (value, value.shape[0]) if value.dim() == 2 else None
@@ -75,11 +76,12 @@ def _weight(node: torch.fx.Node) -> tuple[torch.Tensor, int] | None:
         return None
     base, index = node.args
     found = _weight(base) if isinstance(base, torch.fx.Node) else None
-    if found is None or not isinstance(index, slice) or index.step not in (None, 1):
+    if found is None or not isinstance(index, slice) or index.step not in (None, 1) or not isinstance(found[1], int):
         return None
-    rows = found[1]
-    start, stop, _ = index.indices(rows) if isinstance(rows, int) else (None, None, None)
-    return (found[0], stop - start) if isinstance(start, int) and stop > start else None
+    if not all(isinstance(b, (int, type(None))) for b in (index.start, index.stop)):
+        return None  # bounds traced as values of the step
+    start, stop, _ = index.indices(found[1])
+    return (found[0], stop - start) if stop > start else None
 
 
 def _half_of(node: torch.fx.Node) -> tuple[torch.fx.Node, object, list[torch.fx.Node]] | None:

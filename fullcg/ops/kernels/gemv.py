@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from fullcg.ops.kernels.launch import Launcher
+from fullcg.ops.linear import MAX_GEMV_ROWS
 
-__all__ = ["GemvConfig", "gemv", "choose", "ONE_ROW", "GATED_ROWS", "NARROW_ROWS", "MAX_GATED_ROWS"]
+__all__ = ["GemvConfig", "gemv", "choose", "ONE_ROW", "GATED_ROWS", "NARROW_ROWS"]
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,12 @@ _GEMV = Launcher(_gemv_kernel)
 #: One row: elementwise products, 8 outputs a program. Fastest or within 1% on every
 #: projection of a Llama-3-8B layer and its lm_head on an H100 (``benchmarks/gemv.py``).
 ONE_ROW = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=4)
-#: Two to sixteen rows, tensor cores, for the gated MLP projection: 2-3% under cuBLAS plus
-#: the SiLU kernel it replaces at 2-8 rows.
+#: Two to eight rows, tensor cores, for the gated MLP projection: 2-3% under cuBLAS plus
+#: the SiLU kernel it replaces.
 GATED_ROWS = GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=2)
 #: Two to eight rows of a narrow plain projection (no more outputs than inputs: o_proj,
 #: down), where the library GEMM splits ``K`` over a second kernel: 0.92-0.97 of cuBLAS.
 NARROW_ROWS = GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
-#: The most rows the gated and narrow forms take; beyond, the library GEMM (and a separate
-#: activation) win.
-MAX_GATED_ROWS = 8
 
 
 def choose(rows: int, gated: bool, n: int, k: int, sms: int) -> GemvConfig | None:
@@ -113,7 +111,7 @@ def choose(rows: int, gated: bool, n: int, k: int, sms: int) -> GemvConfig | Non
     shard's MLP, 56 programs on 132 SMs, measured 1.1x cuBLAS)."""
     if rows == 1:
         return ONE_ROW
-    if rows > MAX_GATED_ROWS or not (gated or n <= k):
+    if rows > MAX_GEMV_ROWS or not (gated or n <= k):
         return None
     config = GATED_ROWS if gated else NARROW_ROWS
     programs = -(-(n // 2 if gated else n) // config.block_n)
