@@ -310,9 +310,9 @@ def warn_if_uncached() -> None:
     if missing:
         log_once(
             _WARNED_KEY, logger, logging.WARNING,
-            "fullcg: %s has no current bytecode for this Python (%s) and bytecode writing is off (PYTHONDONTWRITEBYTECODE "
-            "or -B), so every process compiles torch's sources again as it imports them (measured on one host: "
-            "import torch 3.9-5.4 s, torch's compiler 8.3-10.1 s more). Compile them once where the packages are "
-            "installed (an image build): %spython -m fullcg compile-bytecode",
+            "fullcg: %s has no current bytecode for this Python (%s) and bytecode writing is off "
+            "(PYTHONDONTWRITEBYTECODE or -B), so every process compiles torch's sources again as it imports them "
+            "(measured on one host: import torch 3.9-5.4 s, torch's compiler 8.3-10.1 s more). Compile them once "
+            "where the packages are installed (an image build): %spython -m fullcg compile-bytecode",
             missing[0], sys.implementation.cache_tag,
             f"PYTHONPYCACHEPREFIX={os.path.abspath(sys.pycache_prefix)} " if sys.pycache_prefix else "")
