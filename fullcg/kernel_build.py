@@ -776,6 +776,7 @@ def _build_triton(kernels: Sequence[Kernel], todo: set[Kernel], device: torch.de
             key = (_ROLES[kernel.what][0], kernel.shape)
             tables[key] = max(tables.get(key, 1), _table_pages(kernel))
     with _triton_cache_in(directory), torch.cuda.device(device):
+        planned: list[tuple[Kernel, list[tuple[Any, tuple[Any, ...]]]]] = []
         for kernel in kernels:
             try:
                 if kernel.what in _FUSED_ROLES:
@@ -788,11 +789,64 @@ def _build_triton(kernels: Sequence[Kernel], todo: set[Kernel], device: torch.de
                     launches = [(launch, leading) for p, launch, leading in probes[key] if p == part]
                 if not launches:
                     raise RuntimeError(f"the {probe} stand-in step planned no {part} launch")
-                compiled = [_compile(launch, leading) for launch, leading in launches]
-                if kernel in todo:
-                    manifest.record(kernel, compiled)
+                planned.append((kernel, launches))
             except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
                 failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
+        for kernel, compiled in _compile_all(planned, failures):
+            if kernel in todo:
+                manifest.record(kernel, compiled)
+
+
+#: The most threads that compile Triton kernels at once. Triton's compiler releases the GIL
+#: in its MLIR and LLVM passes and runs ``ptxas`` as a subprocess, so a config's handful of
+#: kernels compile side by side; only the parse of each kernel's Python source is serial.
+MAX_BUILD_THREADS = 8
+
+
+def _compile_all(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, ...]]]]],
+                 failures: list[str]) -> list[tuple[Kernel, list[Any]]]:
+    """Compile every planned launch, on up to :data:`MAX_BUILD_THREADS` threads where
+    Triton compiles asynchronously (``AsyncCompileMode``); ``(kernel, compiled)`` for each
+    kernel all of whose launches compiled, a failure noted for each of the others."""
+    launches = sum(len(ls) for _, ls in planned)
+    threads = min(MAX_BUILD_THREADS, os.cpu_count() or 1, launches)
+    pool = mode = None
+    if threads > 1 and not _interpreted():
+        try:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from triton.runtime import _async_compile
+
+            if _async_compile.active_mode.get() is None:  # else a caller's mode takes our compiles
+                pool = ThreadPoolExecutor(threads, thread_name_prefix="fullcg-triton-build")
+                mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
+        except (ImportError, AttributeError):  # a Triton without asynchronous compiles: one at a time
+            pool = mode = None
+    # The first compile computes Triton's source key on this thread; the others find it cached.
+    pending: list[tuple[Kernel, list[Any]]] = []
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            for kernel, kernel_launches in planned:
+                try:
+                    pending.append((kernel, [_compile(launch, leading) for launch, leading in kernel_launches]))
+                except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
+                    failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    done: list[tuple[Kernel, list[Any]]] = []
+    for kernel, compiled in pending:
+        try:
+            done.append((kernel, [k.result() if hasattr(k, "result") else k for k in compiled]))
+        except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
+            failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
+    return done
+
+
+def _interpreted() -> bool:
+    from fullcg.ops.kernels import launch as launch_module
+
+    return bool(launch_module._INTERPRET)
 
 
 def _fused_launch(kernel: Kernel, device: torch.device) -> Any:
@@ -833,16 +887,12 @@ def _compile(launch: Any, leading: tuple[Any, ...]) -> Any:
     the same positional arguments, constexprs by name, ``num_warps``, ``num_stages``), so
     the launch's cache key is this one and it finds the kernel compiled. Under the CPU
     interpreter there is nothing to compile."""
-    from fullcg.ops.kernels import launch as launch_module
-
-    if launch_module._INTERPRET:
+    if _interpreted():
         return None
     launcher = launch.launcher
-    kernel = launcher.fn.warmup(*leading, *launch.tail, grid=launch.grid, num_warps=launch.num_warps,
-                                num_stages=launch.num_stages, **dict(zip(launcher.constexpr_names, launch.constexprs)))
-    if hasattr(kernel, "result"):  # compiled asynchronously
-        kernel = kernel.result()
-    return kernel
+    # Under an asynchronous compile mode this is a future (``result()`` gives the kernel).
+    return launcher.fn.warmup(*leading, *launch.tail, grid=launch.grid, num_warps=launch.num_warps,
+                              num_stages=launch.num_stages, **dict(zip(launcher.constexpr_names, launch.constexprs)))
 
 
 class _Recorder:

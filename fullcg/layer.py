@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from fullcg import context
+from fullcg import context, source_keys
 from fullcg.context import CacheOwner
 from fullcg.kv_cache import KVCache
 from fullcg.ops.attention import ATTENTION_OPS, LAYER_FROM_KEY
@@ -92,6 +92,7 @@ class Attention(nn.Module, CacheOwner):
         sinks: bool = False,
     ) -> None:
         super().__init__()
+        source_keys.prefetch_triton()  # the first kernel's lookup needs it; weights load meanwhile
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

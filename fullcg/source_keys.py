@@ -15,6 +15,11 @@ been without the prefetch. A process forked before the result arrived would wait
 thread it does not have, so a forked child forgets the pending result and computes the
 keys itself. On torch 2.11 the caches take no lock: a first use that comes before the
 thread is done computes the key a second time, with the same result.
+
+Without Inductor, Triton's key is still the first thing a GPU step's kernels wait for (Triton
+computes it to look up every kernel it has not loaded yet), so :func:`prefetch_triton`
+starts that one alone, when the first fullcg attention layer is made on a machine with a GPU:
+the model's weights are built or loaded meanwhile.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["prefetch"]
+__all__ = ["prefetch", "prefetch_triton"]
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _started = False
+_triton_started = False
 #: Keys whose computation torch's own cache runs in the background (torch >= 2.13).
 _prefetched: list[Callable[[], object]] = []
 
@@ -66,6 +72,31 @@ def prefetch() -> None:
             pending.append(key)
     if pending:
         threading.Thread(target=_compute, args=pending, name="fullcg-source-keys", daemon=True).start()
+
+
+def prefetch_triton() -> None:
+    """Start computing Triton's source key in the background, once per process, where a
+    CUDA GPU is visible (no GPU, no Triton kernel is compiled or loaded by key)."""
+    global _triton_started
+    with _lock:
+        if _triton_started or _started:
+            return
+        _triton_started = True
+    try:
+        if not _cuda_available():
+            return
+        # On this thread, as in prefetch(); the hashing is what runs in the background.
+        from triton.runtime.cache import triton_key
+    except Exception as exc:  # noqa: BLE001 - no (or a broken) Triton: its first kernel reports it
+        logger.debug("fullcg: Triton's source key not prefetched (%s: %s)", type(exc).__name__, exc)
+        return
+    threading.Thread(target=_compute, args=(triton_key,), name="fullcg-triton-key", daemon=True).start()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _compute(*keys: Callable[[], object]) -> None:

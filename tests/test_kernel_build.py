@@ -708,3 +708,96 @@ def test_builds_in_two_threads_leave_the_triton_cache_variable_as_it_was(tmp_pat
         t.join()
     assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else"
     assert seen[0] == seen[1] and seen[2] == seen[3]  # each build saw only its own directory
+
+
+class _FakeJIT:
+    """Stands in for a Triton kernel's JIT function: ``warmup`` compiles as Triton's does,
+    through the active asynchronous compile mode when there is one (a future then)."""
+
+    def __init__(self, name: str, threads: list[str], fail: bool = False, seconds: float = 0.05) -> None:
+        self.name, self.threads, self.fail, self.seconds = name, threads, fail, seconds
+
+    def warmup(self, *args, **kwargs):
+        import threading
+        import time
+
+        from triton.runtime import _async_compile
+
+        def compile_():
+            self.threads.append(threading.current_thread().name)
+            time.sleep(self.seconds)
+            if self.fail:
+                raise RuntimeError(f"{self.name} does not compile")
+            return f"compiled {self.name}"
+
+        mode = _async_compile.active_mode.get()
+        if mode is None:
+            return compile_()
+        return mode.submit(self.name, compile_, lambda kernel: None)
+
+
+def _fake_launch(jit: _FakeJIT):
+    import types
+
+    launcher = types.SimpleNamespace(fn=jit, constexpr_names=())
+    return types.SimpleNamespace(launcher=launcher, tail=(), grid=(1,), num_warps=4, num_stages=1, constexprs=())
+
+
+def _fake_plan(names, threads, failing=()):
+    kernels = [Kernel("triton", name, (), name) for name in names]
+    return [(k, [(_fake_launch(_FakeJIT(k.what, threads, fail=k.what in failing)), ())]) for k in kernels]
+
+
+def test_triton_kernels_compile_side_by_side_on_build_threads(monkeypatch):
+    pytest.importorskip("triton.runtime._async_compile")
+    import time
+
+    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
+    monkeypatch.setattr(kernel_build.os, "cpu_count", lambda: 4)
+    threads: list[str] = []
+    planned = _fake_plan([f"k{i}" for i in range(6)], threads)
+    for _, launches in planned:
+        launches[0][0].launcher.fn.seconds = 0.3
+    failures: list[str] = []
+    start = time.perf_counter()
+    done = kernel_build._compile_all(planned, failures)
+    seconds = time.perf_counter() - start
+    assert failures == []
+    assert [(k.what, compiled) for k, compiled in done] == [(f"k{i}", [f"compiled k{i}"]) for i in range(6)]
+    assert all(name.startswith("fullcg-triton-build") for name in threads), threads
+    assert len(set(threads)) == 4, "as many threads as the CPU has cores, at most"
+    assert seconds < 6 * 0.3, "six 0.3 s compiles on four threads take two rounds, not six"
+
+
+def test_a_kernel_that_fails_to_compile_is_named_and_the_others_still_compile(monkeypatch):
+    pytest.importorskip("triton.runtime._async_compile")
+    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
+    threads: list[str] = []
+    failures: list[str] = []
+    done = kernel_build._compile_all(_fake_plan(["a", "b", "c"], threads, failing={"b"}), failures)
+    assert [k.what for k, _ in done] == ["a", "c"]
+    assert len(failures) == 1 and failures[0].startswith("b: RuntimeError: b does not compile")
+
+
+def test_under_a_callers_compile_mode_the_kernels_compile_in_it(monkeypatch):
+    # Triton allows one asynchronous compile mode at a time: a build inside a caller's (an
+    # Inductor compile) hands its compiles to that one and still returns compiled kernels.
+    _async_compile = pytest.importorskip("triton.runtime._async_compile")
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
+    threads: list[str] = []
+    failures: list[str] = []
+    with ThreadPoolExecutor(2, thread_name_prefix="caller") as pool, _async_compile.AsyncCompileMode(pool):
+        done = kernel_build._compile_all(_fake_plan(["a", "b"], threads), failures)
+    assert failures == [] and [c for _, c in done] == [["compiled a"], ["compiled b"]]
+    assert all(name.startswith("caller") for name in threads)
+
+
+def test_one_launch_compiles_on_the_calling_thread(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
+    threads: list[str] = []
+    done = kernel_build._compile_all(_fake_plan(["a"], threads), [])
+    assert [c for _, c in done] == [["compiled a"]] and threads == [threading.current_thread().name]

@@ -37,6 +37,22 @@ class _PrefetchableKey:
 def fresh(monkeypatch):
     """A process that has not prefetched yet."""
     monkeypatch.setattr(source_keys, "_started", False)
+    monkeypatch.setattr(source_keys, "_triton_started", False)
+
+
+def _triton_key_spy(monkeypatch) -> tuple[list[str], threading.Event]:
+    """Triton's key replaced by one that notes the thread computing it."""
+    triton_cache = pytest.importorskip("triton.runtime.cache")
+    threads: list[str] = []
+    done = threading.Event()
+
+    def triton_key() -> str:
+        threads.append(threading.current_thread().name)
+        done.set()
+        return "triton"
+
+    monkeypatch.setattr(triton_cache, "triton_key", triton_key)
+    return threads, done
 
 
 def test_compiling_with_inductor_prefetches_both_keys_before_the_first_step(fresh, monkeypatch):
@@ -55,6 +71,35 @@ def test_compilers_without_inductor_do_not_hash_its_sources(fresh, monkeypatch, 
     monkeypatch.setattr(codecache, "torch_key", _PrefetchableKey("torch", calls))
     fullcg.compile(torch.nn.Linear(2, 2), compiler=compiler)
     assert calls == [] and not source_keys._started
+
+
+def test_the_first_attention_layer_on_a_gpu_machine_hashes_tritons_sources_in_the_background(fresh, monkeypatch):
+    # Without Inductor, Triton's key is what the first kernel lookup waits for; the layers
+    # are made before the weights are loaded, so the hash runs meanwhile.
+    threads, done = _triton_key_spy(monkeypatch)
+    monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
+    fullcg.Attention(2, 8, layer_id=0)
+    assert done.wait(30), "Triton's key was not computed"
+    fullcg.Attention(2, 8, layer_id=1)
+    time.sleep(0.05)
+    assert threads == ["fullcg-triton-key"], "once per process, on a thread of its own"
+
+
+def test_without_a_gpu_no_layer_hashes_tritons_sources(fresh, monkeypatch):
+    threads, _ = _triton_key_spy(monkeypatch)
+    monkeypatch.setattr(source_keys, "_cuda_available", lambda: False)
+    fullcg.Attention(2, 8, layer_id=0)
+    time.sleep(0.05)
+    assert threads == []
+
+
+def test_a_process_that_prefetched_both_keys_does_not_hash_tritons_again(fresh, monkeypatch):
+    threads, _ = _triton_key_spy(monkeypatch)
+    monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
+    monkeypatch.setattr(source_keys, "_started", True)
+    source_keys.prefetch_triton()
+    time.sleep(0.05)
+    assert threads == []
 
 
 def test_keys_without_a_prefetch_of_their_own_are_computed_on_a_background_thread(fresh, monkeypatch):
