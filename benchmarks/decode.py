@@ -123,8 +123,6 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write all figures as JSON here")
     ap.add_argument("--no-skinny-linears", action="store_true",
                     help="the library GEMM for every linear (an A/B of fullcg's one-pass GEMV)")
-    ap.add_argument("--no-skinny-linear-norms", action="store_true",
-                    help="the residual add and RMSNorm as a kernel of their own (an A/B of the norm in the GEMV)")
     ap.add_argument("--peer-only", action="store_true", help="time only the peer (and the floor)")
     ap.add_argument("--no-peer", action="store_true", help="skip the peer (it compiles for minutes)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager model (its first steps JIT-build kernels)")
@@ -153,8 +151,7 @@ def main() -> None:
         return floor_bytes(model, batch, context) / bw * 1e3
 
     base = fullcg.FullCGConfig(attention_impl=args.impl, capture_sizes=tuple(args.capture_sizes),
-                               skinny_linears=not args.no_skinny_linears,
-                               skinny_linear_norms=not args.no_skinny_linear_norms)
+                               skinny_linears=not args.no_skinny_linears)
     points = [(b, c) for c in args.contexts for b in args.batches]
     # Non-decode steps at several token counts: where a full graph stops paying over pieces.
     mixed_steps = [] if args.no_mixed else [

@@ -11,11 +11,6 @@ cycled over more than twice the L2 cache) so the weight comes from memory, as in
 step; launches are replayed from one CUDA graph, so host launch cost is not counted.
 Figures are medians over ``--repeats`` replays, microseconds per launch, with the share of
 the copy bandwidth measured in the same run.
-
-``--norm`` adds, per shape and row count where the op takes the GEMV (``choose``), the
-residual add and RMSNorm before the projection: fullcg's add+norm kernel followed by the
-GEMV (``norm_then_gemv_us``, two launches) against the GEMV with the norm in its prologue
-(``norm_in_gemv_us``, one), both at the launch shape the op chooses.
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ import torch.nn.functional as F
 
 from decode import copy_bandwidth  # (this folder's scripts: run from it, or as benchmarks/gemv.py)
 from fullcg.ops import fused
-from fullcg.ops.kernels.fused import rms_norm_rows
-from fullcg.ops.kernels.gemv import GemvConfig, NormInput, choose, gemv
+from fullcg.ops.kernels.gemv import GemvConfig, gemv
 from mla import graph_ms
 
 SHAPES = {  # name: (N, K, gated)
@@ -52,8 +46,6 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--norm", action="store_true", help="also time the add+norm before the GEMV, apart and in its prologue")
-    p.add_argument("--no-sweep", action="store_true", help="time only cuBLAS (and --norm's rows), no launch-shape sweep")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -87,27 +79,7 @@ def main() -> None:
             base = time_launches([lambda w=w: lib(w) for w in weights], args.repeats)
             row = {"shape": name, "n": n, "k": k, "gated": gated, "rows": m, "mbytes": nbytes / 1e6,
                    "cublas_us": base, "cublas_bw": nbytes / (base * 1e-6) / bw, "gemv": []}
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
-            chosen = choose(m, gated, n, k, sms)
-            if args.norm and chosen is not None:
-                r, g = torch.randn_like(x), torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-                normed, hidden = torch.empty_like(x), torch.empty_like(x)
-
-                def apart(w, cfg=chosen):
-                    rms_norm_rows(x, g, normed, 1e-5, 0.0, False, residual=r, hidden=hidden)
-                    return gemv(normed, w, gated=gated, config=cfg, out=out)
-
-                def folded(w, cfg=chosen):
-                    return gemv(x, w, gated=gated, config=cfg, out=out, norm=NormInput(r, g, hidden, 1e-5, 0.0, False))
-
-                want, got = apart(weights[0]).float(), folded(weights[0]).float()
-                row["norm_rel_err"] = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-                row["norm_then_gemv_us"] = time_launches([lambda w=w: apart(w) for w in weights], args.repeats)
-                row["norm_in_gemv_us"] = time_launches([lambda w=w: folded(w) for w in weights], args.repeats)
-                print(f"{name:13s} M={m}: add+norm then gemv {row['norm_then_gemv_us']:7.2f} us, norm in the gemv's "
-                      f"prologue {row['norm_in_gemv_us']:7.2f} us (ratio {row['norm_in_gemv_us'] / row['norm_then_gemv_us']:.3f}, "
-                      f"err {row['norm_rel_err']:.1e}) {chosen}", flush=True)
-            for cfg in [] if args.no_sweep else configs:
+            for cfg in configs:
                 if m > 1 and cfg.block_n < 16:
                     continue  # the tensor-core path needs 16 columns
                 try:
@@ -124,7 +96,7 @@ def main() -> None:
             best = min(done, key=lambda g: g["us"]) if done else None
             row["best"] = best
             results["rows"].append(row)
-            if best and not args.no_sweep:
+            if best:
                 print(f"{name:13s} M={m}: cublas {base:7.2f} us ({row['cublas_bw']:.0%}), gemv best {best['us']:7.2f} us "
                       f"({best['bw']:.0%}) {best['config']} err {best['rel_err']:.1e}  ratio {best['us'] / base:.3f}",
                       flush=True)

@@ -502,11 +502,10 @@ def profile_gpu(args: argparse.Namespace) -> dict:
         layer.kv_cache.k.normal_()
         layer.kv_cache.v.normal_()
     # An A/B compiles afresh, so neither side's time depends on what a cache held.
-    ab = args.keep_residual_addmm or args.inductor or args.no_skinny_linears or args.no_skinny_linear_norms
+    ab = args.keep_residual_addmm or args.inductor or args.no_skinny_linears
     caches = {"compile_cache": False, "warm_start": False} if ab else {}
     config = fullcg.FullCGConfig(attention_impl=args.impl, graph_mode="full", capture_sizes=tuple(args.batch),
-                                 skinny_linears=not args.no_skinny_linears,
-                                 skinny_linear_norms=not args.no_skinny_linear_norms, **caches)
+                                 skinny_linears=not args.no_skinny_linears, **caches)
     backend = fullcg.Backend(config)
     compiled = torch.compile(model, backend=backend)
     with torch.inference_mode():
@@ -556,8 +555,6 @@ def main(argv: list[str] | None = None) -> dict:
                     help="keep Inductor's fusion of the residual add into the GEMM before it (an A/B of fullcg's split)")
     ap.add_argument("--no-skinny-linears", action="store_true",
                     help="the library GEMM for every linear (an A/B of fullcg's one-pass GEMV)")
-    ap.add_argument("--no-skinny-linear-norms", action="store_true",
-                    help="the residual add and RMSNorm as a kernel of their own (an A/B of the norm in the GEMV)")
     args = ap.parse_args(argv)
     results = smoke(args) if args.smoke else profile_gpu(args)
     if args.out:

@@ -453,7 +453,7 @@ def _cached_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], con
 
 def _passes(config: FullCGConfig) -> PassManager:
     """The passes every graph goes through before it is split."""
-    skinny = [SkinnyLinearPass(norms=config.skinny_linear_norms)] if config.skinny_linears else []
+    skinny = [SkinnyLinearPass()] if config.skinny_linears else []
     return PassManager([FuseSiblingLinearsPass(), *skinny, AttributesPass(config.skip_softmax), SplitPointsPass()])
 
 

@@ -327,9 +327,6 @@ class FullCGConfig:
             of up to eight rows for an MLP's gated projection (``silu(gate) * up`` folded
             into it) and narrow weights; the library GEMM for the rest
             (:mod:`fullcg.passes.skinny_linear`).
-        skinny_linear_norms: with ``skinny_linears``, a residual add and the RMSNorm after
-            it that feed a skinny linear become ``fullcg::add_rms_norm_linear``: the GEMV
-            normalises its input in its prologue and the norm's kernel leaves the step.
     """
 
     attention_impl: str = "auto"
@@ -352,7 +349,6 @@ class FullCGConfig:
     trace_layers_once: bool = True
     warm_start: bool = True
     skinny_linears: bool = True
-    skinny_linear_norms: bool = True
     inductor_config: tuple[tuple[str, bool | int | float | str | None], ...] = ()
 
     def __post_init__(self) -> None:
@@ -405,7 +401,7 @@ class FullCGConfig:
             _positive_int(self.mla_mha_min_tokens, "mla_mha_min_tokens")
         _positive_int(self.mla_mha_min_heads, "mla_mha_min_heads")
         for name in ("capture_on_compile", "debug_graph_inputs", "debug_checks", "compile_cache", "trace_layers_once",
-                     "warm_start", "skinny_linears", "skinny_linear_norms"):
+                     "warm_start", "skinny_linears"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.trust_shared_cache, bool):

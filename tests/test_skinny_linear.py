@@ -18,16 +18,14 @@ from torch import nn
 import fullcg
 from fullcg.models.llama import LlamaConfig, LlamaMLP, LlamaModel
 from fullcg.ops import linear as linear_module
-from fullcg.ops.fused import reference_rms_norm
-from fullcg.ops.linear import (
-    MAX_GEMV_ROWS, add_rms_norm_linear, reference_add_rms_norm_linear, reference_skinny_linear, skinny_linear)
+from fullcg.ops.linear import MAX_GEMV_ROWS, reference_skinny_linear, skinny_linear
 from fullcg.passes.sibling_linears import FuseSiblingLinearsPass
 from fullcg.passes.skinny_linear import SkinnyLinearPass
 
 triton = pytest.importorskip("triton", reason="the GEMV is a Triton kernel: pip install triton")
 from fullcg.ops.kernels import gemv as gemv_module  # noqa: E402
 from fullcg.ops.kernels.gemv import (  # noqa: E402
-    GATED_ROWS, NARROW_ROWS, ONE_ROW, GemvConfig, NormInput, choose, gemv)
+    GATED_ROWS, NARROW_ROWS, ONE_ROW, GemvConfig, choose, gemv)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #: Small launch shapes, so the interpreter covers several programs and a ragged tail.
@@ -99,55 +97,6 @@ def test_launch_choice_by_rows_shape_and_gpu_size():
     assert choose(2, True, 3584, 4096, 100) is GATED_ROWS
 
 
-#: The norm's forms: (weight_offset, cast_before_weight): fullcg's Llama, transformers' Llama, Gemma.
-NORM_FORMS = [(0.0, False), (0.0, True), (1.0, False)]
-
-
-def _norm_inputs(rows: int, k: int, dtype: torch.dtype = torch.float16):
-    g = torch.Generator().manual_seed(rows * 100 + k)
-    x, r, nw = (torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE) for shape in ((rows, k), (rows, k), (k,)))
-    return x, r, nw
-
-
-@pytest.mark.parametrize("form", NORM_FORMS, ids=["llama", "hf", "gemma"])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("k", [64, 80], ids=["k_whole_steps", "k_ragged"])
-def test_gemv_with_the_norm_in_its_prologue_equals_add_then_norm_then_matmul(form, gated, rows, k):
-    # fp16: the CPU interpreter rounds float32 to bf16 toward zero, which the GPU does not.
-    offset, cast_before = form
-    x, r, nw = _norm_inputs(rows, k)
-    _, w = _inputs(rows, 40, k, torch.float16)
-    hidden = torch.full_like(x, 7.0)
-    got = gemv(x, w, gated=gated, config=SMALL, norm=NormInput(r, nw, hidden, 1e-6, offset, cast_before))
-    assert torch.equal(hidden, x + r), "the sum is stored as the add rounds it"
-    normed = reference_rms_norm(x + r, nw, 1e-6, offset, cast_before)
-    _close(got, reference_skinny_linear(normed.float(), w.float(), gated))
-
-
-def test_gemv_refuses_a_norm_of_other_shapes():
-    x, r, nw = _norm_inputs(2, 64)
-    _, w = _inputs(2, 32, 64, torch.float16)
-    with pytest.raises(ValueError, match="residual and hidden of x's shape"):
-        gemv(x, w, norm=NormInput(r[:1], nw, torch.empty_like(x), 1e-6))
-    with pytest.raises(ValueError, match=r"a weight of \(64,\)"):
-        gemv(x, w, norm=NormInput(r, nw[:32], torch.empty_like(x), 1e-6))
-
-
-@pytest.mark.parametrize("form", NORM_FORMS, ids=["llama", "hf", "gemma"])
-def test_fused_rms_norm_with_a_residual_stores_the_sum_and_norms_it(form, monkeypatch):
-    from fullcg.ops.kernels.fused import rms_norm_rows
-
-    offset, cast_before = form
-    x, r, nw = _norm_inputs(3, 80)
-    normed, hidden = torch.empty_like(x), torch.empty_like(x)
-    rms_norm_rows(x, nw, normed, 1e-6, offset, cast_before, residual=r, hidden=hidden)
-    assert torch.equal(hidden, x + r)
-    torch.testing.assert_close(normed, reference_rms_norm(x + r, nw, 1e-6, offset, cast_before), atol=2e-3, rtol=2e-3)
-    with pytest.raises(ValueError, match="residual and hidden together"):
-        rms_norm_rows(x, nw, normed, 1e-6, offset, cast_before, residual=r)
-
-
 # --- the op -----------------------------------------------------------------------------
 
 
@@ -160,9 +109,9 @@ def gemv_calls(monkeypatch):
     calls = []
     real = gemv_module.gemv
 
-    def spy(x, w, *, gated=False, config=ONE_ROW, out=None, norm=None):
-        calls.append((x.shape[0], gated) if norm is None else (x.shape[0], gated, "norm"))
-        return real(x, w, gated=gated, config=SMALL if DEVICE.type == "cpu" else config, out=out, norm=norm)
+    def spy(x, w, *, gated=False, config=ONE_ROW, out=None):
+        calls.append((x.shape[0], gated))
+        return real(x, w, gated=gated, config=SMALL if DEVICE.type == "cpu" else config, out=out)
 
     monkeypatch.setattr(gemv_module, "gemv", spy)
     return calls
@@ -216,79 +165,6 @@ def test_op_passes_opcheck_and_its_gradients_are_the_matmuls(gated):
     w = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(skinny_linear, (x, w, gated))
     assert torch.autograd.gradcheck(lambda x, w: skinny_linear(x, w, gated), (x, w))
-
-
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_norm_op_takes_the_gemv_with_its_prologue_for_one_row(gemv_calls, gated):
-    x, r, nw = _norm_inputs(1, 64)
-    _, w = _inputs(1, 64, 64, torch.float16)
-    out, hidden = add_rms_norm_linear(x.view(1, 1, 64), r.view(1, 1, 64), nw, 1e-6, 0.0, True, w, gated)
-    assert gemv_calls == [(1, gated, "norm")]
-    want, want_hidden = reference_add_rms_norm_linear(x, r, nw, 1e-6, 0.0, True, w, gated)
-    assert out.shape == (1, 1, 32 if gated else 64) and hidden.shape == (1, 1, 64)
-    assert torch.equal(hidden.view(1, 64), want_hidden)
-    _close(out.view(want.shape), want)
-
-
-def test_norm_op_beyond_the_gemvs_rows_adds_and_norms_in_one_kernel_then_multiplies(gemv_calls, monkeypatch):
-    from fullcg.ops.kernels import fused as fused_kernels
-
-    norms = []
-    real = fused_kernels.rms_norm_rows
-
-    def spy(*args, **kwargs):
-        norms.append(kwargs.get("residual") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fused_kernels, "rms_norm_rows", spy)
-    x, r, nw = _norm_inputs(MAX_GEMV_ROWS + 1, 64)
-    _, w = _inputs(1, 48, 64, torch.float16)
-    out, hidden = add_rms_norm_linear(x, r, nw, 1e-6, 0.0, False, w, False)
-    assert gemv_calls == [] and norms == [True], "one add+norm kernel, then the library GEMM"
-    want, want_hidden = reference_add_rms_norm_linear(x, r, nw, 1e-6, 0.0, False, w, False)
-    assert torch.equal(hidden, want_hidden)
-    _close(out, want)
-
-
-def test_norm_op_without_the_kernel_is_the_plain_computation():
-    x, r, nw = _norm_inputs(2, 16, torch.float32)
-    w = torch.randn(8, 16)
-    got = add_rms_norm_linear(x.cpu(), r.cpu(), nw.cpu(), 1e-5, 0.0, True, w, True)
-    want = reference_add_rms_norm_linear(x.cpu(), r.cpu(), nw.cpu(), 1e-5, 0.0, True, w, True)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
-def test_norm_op_errors_name_the_mismatch():
-    x, r, nw = _norm_inputs(2, 16, torch.float32)
-    w = torch.randn(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="residual must match x's shape and dtype"):
-        add_rms_norm_linear(x, r[:1], nw, 1e-5, 0.0, True, w)
-    with pytest.raises(ValueError, match="residual must match x's shape and dtype"):
-        add_rms_norm_linear(x, r.half(), nw, 1e-5, 0.0, True, w)
-    with pytest.raises(ValueError, match=r"norm_weight must be \[K\] = \[16\]"):
-        add_rms_norm_linear(x, r, nw[:8], 1e-5, 0.0, True, w)
-    with pytest.raises(ValueError, match="even number of weight rows"):
-        add_rms_norm_linear(x, r, nw, 1e-5, 0.0, True, w[:7], True)
-    with pytest.raises(ValueError, match="on one device"):
-        add_rms_norm_linear(x, r, nw, 1e-5, 0.0, True, torch.randn(8, 16, device="meta"))
-
-
-@pytest.mark.parametrize("form", NORM_FORMS, ids=["llama", "hf", "gemma"])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_norm_op_passes_opcheck_and_its_gradients_are_the_plain_computations(form, gated):
-    offset, cast_before = form
-    inputs = [torch.randn(2, 3, 8, requires_grad=True), torch.randn(2, 3, 8, requires_grad=True),
-              torch.randn(8, requires_grad=True), torch.randn(12, 8, requires_grad=True)]
-    x, r, nw, w = inputs
-    torch.library.opcheck(add_rms_norm_linear, (x, r, nw, 1e-6, offset, cast_before, w, gated))
-    grads = []
-    for fn in (add_rms_norm_linear, reference_add_rms_norm_linear):
-        out, hidden = fn(x, r, nw, 1e-6, offset, cast_before, w, gated)
-        grads.append(torch.autograd.grad(out.square().sum() + hidden.sin().sum(), inputs))
-    for got, want in zip(*grads):
-        torch.testing.assert_close(got, want)
-    out, _ = add_rms_norm_linear(x, r, nw, 1e-6, offset, cast_before, w, gated)
-    assert all(g is not None for g in torch.autograd.grad(out.sum(), inputs)), "the sum's output unused"
 
 
 # --- the pass ---------------------------------------------------------------------------
@@ -463,137 +339,6 @@ def test_pass_leaves_linears_under_autocast_alone():
     assert _skinny(graphs[0]) == []
 
 
-class _AddNormLinear(nn.Module):
-    """A residual sum, a norm of it, a projection of the norm, the sum read again after it."""
-
-    def __init__(self, norm: nn.Module, hidden: int = 64, out: int = 48, *, read_norm: bool = False,
-                 read_operand: bool = False, read_sum_early: bool = False, broadcast: bool = False) -> None:
-        super().__init__()
-        self.norm, self.proj = norm, nn.Linear(hidden, out, bias=False, dtype=torch.bfloat16)
-        self.read_norm, self.read_operand, self.read_sum_early, self.broadcast = (
-            read_norm, read_operand, read_sum_early, broadcast)
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if self.broadcast:
-            b = b[:1]
-        h = a + b
-        early = h.sum() if self.read_sum_early else 0
-        n = self.norm(h)
-        operand = b.sum() if self.read_operand else 0
-        out = self.proj(n)
-        return out.sum(-1, keepdim=True) + h + (n if self.read_norm else 0) + early + operand
-
-
-def _norm_modules():
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    from fullcg.models.llama import RMSNorm
-
-    torch.manual_seed(0)
-    mods = {"fullcg": RMSNorm(64, 1e-5), "hf_llama": LlamaRMSNorm(64, 1e-5), "hf_gemma": GemmaRMSNorm(64, 1e-6)}
-    for m in mods.values():
-        with torch.no_grad():
-            m.weight.normal_(0.0, 0.5)
-    return {name: m.to(torch.bfloat16) for name, m in mods.items()}
-
-
-def _fused_norms(gm: torch.fx.GraphModule) -> list[tuple]:
-    return [n.args[3:6] for n in gm.graph.nodes if n.target is add_rms_norm_linear]
-
-
-@pytest.mark.parametrize("name, form", [("fullcg", (1e-5, 0.0, False)), ("hf_llama", (1e-5, 0.0, True)),
-                                        ("hf_gemma", (1e-6, 1.0, False))])
-def test_pass_folds_the_residual_add_and_norm_into_the_projection(name, form):
-    pytest.importorskip("transformers")
-    m = _AddNormLinear(_norm_modules()[name])
-    a, b = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
-    gm = _traced(m, a, b, passes=[SkinnyLinearPass(devices=("cpu",))])
-    assert _fused_norms(gm) == [form], "(eps, weight offset, cast before the weight)"
-    assert not {torch.rsqrt, "mean", "pow", skinny_linear} & set(_targets(gm))
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        got = torch.compile(m, backend=_applying(SkinnyLinearPass(devices=("cpu",))), fullgraph=True)(a, b)
-        _close(got, m(a, b))
-
-
-@pytest.mark.parametrize("change", ["read_norm", "read_operand", "read_sum_early", "broadcast"])
-def test_pass_leaves_the_norm_where_folding_it_would_change_what_is_read(change):
-    pytest.importorskip("transformers")
-    m = _AddNormLinear(_norm_modules()["hf_llama"], **{change: True})
-    a, b = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
-    gm = _traced(m, a, b, passes=[SkinnyLinearPass(devices=("cpu",))])
-    assert _fused_norms(gm) == [] and _skinny(gm) == [False]
-    assert torch.rsqrt in _targets(gm)
-
-
-class _NormTo(nn.Module):
-    """fullcg's RMSNorm form with a float32 weight, cast to ``dtype`` at the end."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
-        self.weight = nn.Parameter(torch.randn(64) * 0.5 + 1.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight.float()).to(self.dtype)
-
-
-def test_pass_folds_a_float32_norm_weight_that_scales_before_the_cast(gemv_calls):
-    m = _AddNormLinear(_NormTo(torch.bfloat16))
-    a, b = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
-    assert _fused_norms(_traced(m, a, b, passes=[SkinnyLinearPass(devices=("cpu",))])) == [(1e-5, 0.0, False)]
-    gemv_calls.clear()
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        got = torch.compile(m, backend=_applying(SkinnyLinearPass(devices=("cpu",))), fullgraph=True)(a, b)
-        _close(got, m(a, b))
-    assert gemv_calls == [(1, False, "norm")]
-
-
-def test_pass_leaves_a_norm_that_casts_to_another_dtype_than_the_sum():
-    m = _AddNormLinear(_NormTo(torch.float16))
-    m.proj = m.proj.half()
-    a, b = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
-    assert _fused_norms(_traced(m, a, b, passes=[SkinnyLinearPass(devices=("cpu",))])) == []
-
-
-def test_pass_folds_every_norm_of_a_llama_but_the_first():
-    cfg = LlamaConfig.tiny()
-    model = LlamaModel(cfg, seed=0, dtype=torch.bfloat16)
-    model.allocate_kv_cache(num_pages=4, page_size=16)
-    ids, pos = torch.tensor([3]), torch.tensor([0])
-    md = fullcg.AttentionMetadata.build([1], [0], torch.tensor([[0]], dtype=torch.int32), 16)
-    passes = [FuseSiblingLinearsPass(), SkinnyLinearPass(devices=("cpu",))]
-    graphs = []
-
-    def backend(gm, example_inputs):
-        for p in passes:
-            p(gm.graph)
-        gm.recompile()
-        graphs.append(gm)
-        return gm
-
-    torch._dynamo.reset()
-    with torch.inference_mode(), fullcg.forward_context(md, model):
-        torch.compile(model, backend=backend, fullgraph=True)(ids, pos)
-    gm = graphs[0]
-    # Each layer's norm before its MLP and the next layer's (or the final) norm after its
-    # MLP's residual; the first layer's norm reads the embedding, not a sum.
-    assert len(_fused_norms(gm)) == 2 * cfg.num_layers
-    assert sum(n.target is add_rms_norm_linear and n.args[7] for n in gm.graph.nodes) == cfg.num_layers
-    assert _targets(gm).count(torch.rsqrt) == 1
-
-
-def test_pass_folds_no_norm_when_asked_not_to():
-    pytest.importorskip("transformers")
-    m = _AddNormLinear(_norm_modules()["fullcg"])
-    a, b = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
-    gm = _traced(m, a, b, passes=[SkinnyLinearPass(devices=("cpu",), norms=False)])
-    assert _fused_norms(gm) == [] and _skinny(gm) == [False]
-
-
 def test_backend_runs_the_pass_unless_switched_off():
     from fullcg.backend import _passes
 
@@ -603,9 +348,6 @@ def test_backend_runs_the_pass_unless_switched_off():
     assert SkinnyLinearPass in kinds(fullcg.FullCGConfig())
     assert SkinnyLinearPass not in kinds(fullcg.FullCGConfig(skinny_linears=False))
     assert _passes(fullcg.FullCGConfig()).uuid() != _passes(fullcg.FullCGConfig(skinny_linears=False)).uuid()
-    norms = [p.norms for p in _passes(fullcg.FullCGConfig(skinny_linear_norms=False)).passes if isinstance(p, SkinnyLinearPass)]
-    assert norms == [False]
-    assert _passes(fullcg.FullCGConfig()).uuid() != _passes(fullcg.FullCGConfig(skinny_linear_norms=False)).uuid()
 
 
 def test_pass_uuid_follows_its_devices():
@@ -617,9 +359,6 @@ def test_config_switch_is_a_bool():
     assert fullcg.FullCGConfig().skinny_linears is True
     with pytest.raises(TypeError, match="skinny_linears must be True or False"):
         fullcg.FullCGConfig(skinny_linears="yes")
-    assert fullcg.FullCGConfig().skinny_linear_norms is True
-    with pytest.raises(TypeError, match="skinny_linear_norms must be True or False"):
-        fullcg.FullCGConfig(skinny_linear_norms=1)
 
 
 # --- on a GPU: a compiled model --------------------------------------------------------
@@ -643,7 +382,5 @@ def test_compiled_llama_runs_its_decode_linears_as_gemvs_and_matches_eager(gemv_
     prompts = [list(range(3, 40)), list(range(50, 55))]
     worst, _ = cuda_side_by_side(eager, model, fullcg.compile(model, config), config, prompts)
     assert worst < 3e-2, f"relative difference {worst}"
-    assert (1, True, "norm") in gemv_calls and (1, False, "norm") in gemv_calls, (
-        "one-token steps take the gated and plain GEMVs, the norms in their prologues")
-    assert (1, False) in gemv_calls, "the first layer's qkv (its norm reads the embedding) and o_proj plain"
+    assert (1, True) in gemv_calls and (1, False) in gemv_calls, "one-token steps take the gated and plain GEMVs"
     assert (2, True) in gemv_calls and (2, False) in gemv_calls, "two-row steps take the gated and narrow GEMVs"

@@ -14,15 +14,6 @@ request holds the GEMV, a prefill step runs the library GEMM (and, gated, fullcg
 ``silu_mul``). Only CUDA tensors of half precision (fp16, bf16) on the current device take
 the GEMV; everything else is the plain torch computation, so the op is safe to put in any
 graph. :class:`fullcg.passes.skinny_linear.SkinnyLinearPass` puts it there.
-
-``add_rms_norm_linear(x, residual, norm_weight, eps, weight_offset, cast_before_weight,
-weight, gated) -> (out, hidden)`` is a decoder's residual add, the RMSNorm after it and the
-projection that reads the norm, as one op: ``hidden = x + residual``, ``out =
-skinny_linear(rms_norm(hidden, norm_weight, ...), weight, gated)`` (the norm is fullcg's
-``rms_norm``: :func:`fullcg.ops.fused.reference_rms_norm`). Where the GEMV runs, the add and
-the norm happen in its prologue (each program sums the squares of the row's ``hidden``, the
-first stores it), so the norm's kernel is gone from the step; elsewhere the add and norm are
-one fused kernel (plain torch off CUDA) before the linear.
 """
 
 from __future__ import annotations
@@ -35,13 +26,10 @@ import torch.nn.functional as F
 from fullcg.ops import fused
 from fullcg.ops.device_facts import sm_count
 
-__all__ = ["skinny_linear", "reference_skinny_linear", "add_rms_norm_linear", "reference_add_rms_norm_linear",
-           "GEMV_DTYPES", "MAX_GEMV_ROWS"]
+__all__ = ["skinny_linear", "reference_skinny_linear", "GEMV_DTYPES", "MAX_GEMV_ROWS"]
 
 _lib = torch.library.Library("fullcg", "FRAGMENT")
 _lib.define("skinny_linear(Tensor x, Tensor weight, bool gated=False) -> Tensor")
-_lib.define("add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, float weight_offset, "
-            "bool cast_before_weight, Tensor weight, bool gated=False) -> (Tensor, Tensor)")
 
 #: The most rows a GEMV launch takes (:func:`fullcg.ops.kernels.gemv.choose`); more go to
 #: the library GEMM, decided before anything else, as the op's host time outside a graph.
@@ -141,117 +129,3 @@ torch.library.register_autograd("fullcg::skinny_linear", _backward, setup_contex
 
 #: ``fullcg::skinny_linear(x, weight, gated=False)``: see the module's docstring.
 skinny_linear = torch.ops.fullcg.skinny_linear.default
-
-
-# ---------------------------------------------------------------- add + RMSNorm + linear
-
-
-def reference_add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                  weight_offset: float, cast_before_weight: bool, weight: torch.Tensor,
-                                  gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op in plain torch: ``hidden = x + residual``, then fullcg's RMSNorm of it, then the
-    (gated) linear; ``(out, hidden)``."""
-    hidden = x + residual
-    normed = fused.reference_rms_norm(hidden, norm_weight, eps, weight_offset, cast_before_weight)
-    return reference_skinny_linear(normed, weight, gated), hidden
-
-
-def _check_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                gated: bool) -> None:
-    name = "fullcg::add_rms_norm_linear"
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"{name}: residual must match x's shape and dtype, got {tuple(residual.shape)} "
-                         f"{residual.dtype} for x {tuple(x.shape)} {x.dtype}")
-    if x.dim() == 0 or norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"{name}: norm_weight must be [K] = [{x.shape[-1] if x.dim() else '?'}] for x "
-                         f"{tuple(x.shape)}, got {tuple(norm_weight.shape)}")
-    if len({x.device, residual.device, norm_weight.device, weight.device}) != 1:
-        raise ValueError(f"{name}: x, residual, norm_weight and weight must be on one device; got {x.device}, "
-                         f"{residual.device}, {norm_weight.device} and {weight.device}")
-    _check(x, weight, gated)
-
-
-def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                  weight_offset: float, cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)``: one fused kernel where Triton takes it."""
-    k = x.shape[-1]
-    if fused._use_triton(x) and norm_weight.dtype in fused.KERNEL_DTYPES and norm_weight.is_contiguous():
-        rows, res = fused._rows(x), fused._rows(residual)
-        if rows is not None and res is not None:
-            from fullcg.ops.kernels.fused import rms_norm_rows
-
-            hidden = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            normed = torch.empty(x.shape, dtype=fused._rms_norm_out_dtype(x, norm_weight, cast_before_weight),
-                                 device=x.device)
-            rms_norm_rows(rows, norm_weight, normed.view(-1, k), eps, weight_offset, cast_before_weight,
-                          residual=res, hidden=hidden.view(-1, k))
-            return normed, hidden
-    hidden = x + residual
-    return fused.reference_rms_norm(hidden, norm_weight, eps, weight_offset, cast_before_weight), hidden
-
-
-def _add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         weight_offset: float, cast_before_weight: bool, weight: torch.Tensor,
-                         gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_norm(x, residual, norm_weight, weight, gated)
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    # The GEMV's prologue normalises into x's dtype: the norm's weight must not promote it.
-    if (0 < rows <= MAX_GEMV_ROWS and weight.dtype in GEMV_DTYPES and x.dtype == weight.dtype
-            and norm_weight.dtype in fused.KERNEL_DTYPES
-            and fused._rms_norm_out_dtype(x, norm_weight, cast_before_weight) == x.dtype
-            and weight.stride(1) == 1 and norm_weight.stride(0) == 1 and fused._use_triton(x)):
-        kernels = _gemv_module()
-        config = kernels.choose(rows, gated, weight.shape[0], k, sm_count(x.device))
-        flat, res = (x.reshape(rows, k), residual.reshape(rows, k)) if config is not None else (None, None)
-        if flat is not None and flat.stride(1) == 1 and res.stride(1) == 1:
-            hidden = torch.empty((rows, k), dtype=x.dtype, device=x.device)
-            norm = kernels.NormInput(res, norm_weight, hidden, eps, weight_offset, cast_before_weight)
-            out = kernels.gemv(flat, weight, gated=gated, config=config, norm=norm)
-            return out.view(*x.shape[:-1], out.shape[-1]), hidden.view(x.shape)
-    normed, hidden = _add_rms_norm(x, residual, norm_weight, eps, weight_offset, cast_before_weight)
-    return _skinny_linear(normed, weight, gated), hidden
-
-
-def _add_rms_norm_linear_fake(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                              weight_offset: float, cast_before_weight: bool, weight: torch.Tensor,
-                              gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_norm(x, residual, norm_weight, weight, gated)
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    dtype = fused._rms_norm_out_dtype(x, norm_weight, cast_before_weight)
-    return x.new_empty((*x.shape[:-1], n), dtype=dtype), x.new_empty(x.shape)
-
-
-def _norm_setup_context(ctx: object, inputs: tuple, output: tuple) -> None:
-    x, residual, norm_weight, eps, weight_offset, cast_before_weight, weight, gated = inputs
-    ctx.save_for_backward(x, residual, norm_weight, weight)  # type: ignore[attr-defined]
-    ctx.options = (eps, weight_offset, cast_before_weight, gated)  # type: ignore[attr-defined]
-
-
-def _norm_backward(ctx: object, grad_out: torch.Tensor | None, grad_hidden: torch.Tensor | None) -> tuple:
-    # The forward again in plain torch, differentiated: an inference op's rare backward
-    # should be obviously right rather than fast.
-    saved = ctx.saved_tensors  # type: ignore[attr-defined]
-    eps, weight_offset, cast_before_weight, gated = ctx.options  # type: ignore[attr-defined]
-    needs = [ctx.needs_input_grad[i] for i in (0, 1, 2, 6)]  # type: ignore[attr-defined]
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(need) for t, need in zip(saved, needs)]
-        x, residual, norm_weight, weight = leaves
-        outs = reference_add_rms_norm_linear(x, residual, norm_weight, eps, weight_offset, cast_before_weight,
-                                             weight, gated)
-        pairs = [(o, g) for o, g in zip(outs, (grad_out, grad_hidden)) if g is not None]
-        wanted = [t for t, need in zip(leaves, needs) if need]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wanted else [])
-    x_g, r_g, nw_g, w_g = (next(grads) if need else None for need in needs)
-    return x_g, r_g, nw_g, None, None, None, w_g, None
-
-
-_lib.impl("add_rms_norm_linear", _add_rms_norm_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("fullcg::add_rms_norm_linear", _add_rms_norm_linear_fake, lib=_lib)
-torch.library.register_autograd("fullcg::add_rms_norm_linear", _norm_backward, setup_context=_norm_setup_context,
-                                lib=_lib)
-
-#: ``fullcg::add_rms_norm_linear(x, residual, norm_weight, eps, weight_offset, cast_before_weight, weight,
-#: gated=False) -> (out, hidden)``: see the module's docstring.
-add_rms_norm_linear = torch.ops.fullcg.add_rms_norm_linear.default

@@ -28,19 +28,13 @@ __all__ = ["FusedLaunch", "rms_norm_launch", "rms_norm_rows", "rotate_half_launc
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, weight_offset, res_ptr, hidden_ptr, stride_res,
-    stride_hidden,
-    CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, weight_offset,
+    CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if ADD_RESIDUAL:  # the norm of x + residual, rounded to x's dtype as the add is; the sum stored too
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-        hidden = (x + r).to(hidden_ptr.dtype.element_ty)
-        tl.store(hidden_ptr + row * stride_hidden + cols, hidden, mask=mask)
-        x = hidden.to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if CAST_BEFORE_WEIGHT:  # (weight + offset) * normed.to(input dtype), all in the weight's dtype (Llama's order)
@@ -125,31 +119,24 @@ def _warps(block: int) -> int:
 
 def rms_norm_launch(
     x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, weight_offset: float,
-    cast_before_weight: bool, residual: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+    cast_before_weight: bool,
 ) -> FusedLaunch:
     """The launch of :func:`rms_norm_rows` for these arguments."""
     rows, cols = x.shape
     block = triton.next_power_of_2(cols)
-    add = residual is not None
-    res, hid = (residual, hidden) if add else (x, out)
     return FusedLaunch(_RMS_NORM, (rows, 1, 1),
-                       (x, weight, out, x.stride(0), out.stride(0), cols, float(eps), float(weight_offset),
-                        res, hid, res.stride(0), hid.stride(0)),
-                       (bool(cast_before_weight), block, add), _warps(block), 1)
+                       (x, weight, out, x.stride(0), out.stride(0), cols, float(eps), float(weight_offset)),
+                       (bool(cast_before_weight), block), _warps(block), 1)
 
 
 def rms_norm_rows(
     x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, weight_offset: float,
-    cast_before_weight: bool, residual: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+    cast_before_weight: bool,
 ) -> None:
     """``out[r] = rms_norm(x[r]) * weight`` for every row of ``x [R, C]`` (rows may be strided,
-    each row contiguous); ``out [R, C]`` likewise. With ``residual`` (and ``hidden``, both
-    ``[R, C]`` likewise), the norm is of ``hidden = x + residual`` (in ``x``'s dtype), which
-    is stored too: a decoder's residual add and the norm after it, one kernel."""
-    if (residual is None) != (hidden is None):
-        raise ValueError("rms_norm_rows takes residual and hidden together")
+    each row contiguous); ``out [R, C]`` likewise."""
     if x.shape[0]:
-        rms_norm_launch(x, weight, out, eps, weight_offset, cast_before_weight, residual, hidden)()
+        rms_norm_launch(x, weight, out, eps, weight_offset, cast_before_weight)()
 
 
 def silu_mul_launch(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> FusedLaunch:

@@ -21,7 +21,7 @@ import triton.language as tl
 from fullcg.ops.kernels.launch import Launcher
 from fullcg.ops.linear import MAX_GEMV_ROWS
 
-__all__ = ["GemvConfig", "NormInput", "gemv", "choose", "ONE_ROW", "GATED_ROWS", "NARROW_ROWS"]
+__all__ = ["GemvConfig", "gemv", "choose", "ONE_ROW", "GATED_ROWS", "NARROW_ROWS"]
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,8 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, K, stride_xm, stride_wn, stride_om, up_offset,
-                 res_ptr, norm_w_ptr, hidden_ptr, stride_rm, stride_hm, eps, norm_offset,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GATED: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
+                 GATED: tl.constexpr, EVEN_K: tl.constexpr):
     # One row (BLOCK_M == 1) multiplies elementwise; more take tl.dot over 16 padded rows.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,22 +48,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, K, stride_xm, stride_wn, strid
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    if NORM:
-        # The input is rms_norm(x + residual): every program first sums the squares of its
-        # rows (from L2: all programs read the same rows), and the first also stores the sum.
-        r_rows = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm
-        h_rows = hidden_ptr + offs_m[:, None].to(tl.int64) * stride_hm
-        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
-            hm = m_mask[:, None] & (ks < K)[None, :]
-            h = (tl.load(x_rows + ks[None, :], mask=hm, other=0.0).to(tl.float32)
-                 + tl.load(r_rows + ks[None, :], mask=hm, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-            if pid == 0:
-                tl.store(h_rows + ks[None, :], h, mask=hm)
-            hf = h.to(tl.float32)
-            squares += tl.sum(hf * hf, axis=1)
-        rstd = tl.rsqrt(squares / K + eps)
     if BLOCK_M == 1:
         # One row: accumulate products elementwise and reduce once at the end.
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -85,18 +68,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, K, stride_xm, stride_wn, strid
             x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             if GATED:
                 w_up = tl.load(w_rows + up_offset + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM:
-            # The norm rounds where the modules it replaces round (fullcg's RMSNorm kernel).
-            km = ks < K
-            r = tl.load(r_rows + ks[None, :], mask=m_mask[:, None] & km[None, :], other=0.0)
-            h = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
-            normed = h * rstd[:, None]
-            g = tl.load(norm_w_ptr + ks, mask=km, other=0.0).to(tl.float32)
-            if CAST_BEFORE_WEIGHT:
-                g = (g + norm_offset).to(norm_w_ptr.dtype.element_ty).to(tl.float32)
-                x = (g[None, :] * normed.to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty)
-            else:
-                x = (normed * (g[None, :] + norm_offset)).to(x_ptr.dtype.element_ty)
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)
             if GATED:
@@ -147,27 +118,11 @@ def choose(rows: int, gated: bool, n: int, k: int, sms: int) -> GemvConfig | Non
     return config if 2 * programs >= sms else None
 
 
-@dataclass(frozen=True)
-class NormInput:
-    """The GEMV's input as ``rms_norm(x + residual)`` (a decoder's residual add and the norm
-    after it, moved into the projection's prologue): ``residual`` is ``[M, K]`` like ``x``,
-    ``hidden`` (``[M, K]``) receives ``x + residual``, and the norm is fullcg's
-    ``rms_norm(hidden, weight, eps, weight_offset, cast_before_weight)``."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    hidden: torch.Tensor
-    eps: float
-    weight_offset: float = 0.0
-    cast_before_weight: bool = True
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, *, gated: bool = False, config: GemvConfig = ONE_ROW,
-         out: torch.Tensor | None = None, norm: NormInput | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T`` for ``x [M, K]`` (``M <= 16``) and ``w [N, K]``; with ``gated``, ``silu`` of the
-    first half of the outputs times the second half (``[M, N / 2]``); with ``norm``, of
-    ``rms_norm(x + norm.residual)`` in place of ``x`` (:class:`NormInput`). ``x``, ``w`` and
-    the norm's tensors must be contiguous along ``K``; the caller checks devices and dtypes."""
+    first half of the outputs times the second half (``[M, N / 2]``). ``x`` and ``w`` must be
+    contiguous along ``K``; the caller checks devices and dtypes."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv takes x [M, K] and w [N, K]; got x {tuple(x.shape)} and w {tuple(w.shape)}")
     m, k = x.shape
@@ -178,27 +133,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, gated: bool = False, config: GemvC
         raise ValueError(f"a gated gemv needs an even number of weight rows (gate and up halves), got {n}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv needs x and w contiguous along K")
-    if norm is not None:
-        r, h, g = norm.residual, norm.hidden, norm.weight
-        if r.shape != x.shape or h.shape != x.shape or g.shape != (k,):
-            raise ValueError(f"gemv's norm takes residual and hidden of x's shape {tuple(x.shape)} and a weight of "
-                             f"({k},); got {tuple(r.shape)}, {tuple(h.shape)} and {tuple(g.shape)}")
-        if r.stride(1) != 1 or h.stride(1) != 1 or g.stride(0) != 1:
-            raise ValueError("gemv's norm needs residual, hidden and weight contiguous along K")
     n_out = n // 2 if gated else n
     if out is None:
         out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"gemv's out must be [{m}, {n_out}] of {x.dtype}, contiguous along its rows; got "
                          f"{tuple(out.shape)} of {out.dtype} with strides {out.stride()}")
-    if norm is None:
-        norm_args = (x, x, x, 0, 0, 0.0, 0.0)
-    else:
-        norm_args = (norm.residual, norm.weight, norm.hidden, norm.residual.stride(0), norm.hidden.stride(0),
-                     float(norm.eps), float(norm.weight_offset))
     _GEMV((triton.cdiv(n_out, config.block_n), 1, 1),
-          (x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out * w.stride(0), *norm_args),
-          (1 if m == 1 else 16, config.block_n, config.block_k, gated, k % config.block_k == 0, norm is not None,
-           norm is not None and bool(norm.cast_before_weight)),
+          (x, w, out, m, n_out, k, x.stride(0), w.stride(0), out.stride(0), n_out * w.stride(0)),
+          (1 if m == 1 else 16, config.block_n, config.block_k, gated, k % config.block_k == 0),
           config.num_warps, config.num_stages)
     return out
