@@ -17,7 +17,9 @@ for minutes. This module knows which kernels a config needs and builds them firs
   JIT specs, all in one ninja run (FlashInfer's own ``build_jit_specs``) on a background
   thread; meanwhile the Triton kernels are compiled, not launched, with the arguments the
   ``triton`` implementation plans for a stand-in step of each shape (its ``step_plan``),
-  so that a real step's launch finds them compiled in this process. They are kept in
+  so that a real step's launch finds them compiled in this process, side by side on up to
+  :data:`MAX_BUILD_THREADS` threads, each then loaded as its first launch would load it
+  (its C launcher, which Triton builds with the host's compiler, and its GPU module). They are kept in
   ``<fullcg cache>/kernels/triton`` (:func:`kernel_dir`), whatever Triton cache directory
   Inductor has set, with a manifest of what was built for which GPU, Triton and kernel
   source: a later process loads them from there (milliseconds) and logs nothing;
@@ -792,7 +794,7 @@ def _build_triton(kernels: Sequence[Kernel], todo: set[Kernel], device: torch.de
                 planned.append((kernel, launches))
             except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
                 failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
-        for kernel, compiled in _compile_all(planned, failures):
+        for kernel, compiled in _compile_all(planned, failures, device):
             if kernel in todo:
                 manifest.record(kernel, compiled)
 
@@ -803,27 +805,35 @@ def _build_triton(kernels: Sequence[Kernel], todo: set[Kernel], device: torch.de
 MAX_BUILD_THREADS = 8
 
 
-def _compile_all(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, ...]]]]],
-                 failures: list[str]) -> list[tuple[Kernel, list[Any]]]:
-    """Compile every planned launch, on up to :data:`MAX_BUILD_THREADS` threads where
-    Triton compiles asynchronously (``AsyncCompileMode``); ``(kernel, compiled)`` for each
-    kernel all of whose launches compiled, a failure noted for each of the others."""
+def _compile_all(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, ...]]]]], failures: list[str],
+                 device: torch.device | None = None) -> list[tuple[Kernel, list[Any]]]:
+    """Compile every planned launch, then load each compiled kernel as its first launch
+    would (its launcher, a C module Triton builds with the host's compiler, a few tenths of
+    a second each on a fresh machine, and its module on ``device``), all on up to
+    :data:`MAX_BUILD_THREADS` threads where Triton compiles asynchronously
+    (``AsyncCompileMode``); ``(kernel, compiled)`` for each kernel all of whose launches
+    compiled and loaded, a failure noted for each of the others."""
     launches = sum(len(ls) for _, ls in planned)
     threads = min(MAX_BUILD_THREADS, os.cpu_count() or 1, launches)
     pool = mode = None
     if threads > 1 and not _interpreted():
-        try:
-            from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor
 
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="fullcg-triton-build")
+        try:
             from triton.runtime import _async_compile
 
             if _async_compile.active_mode.get() is None:  # else a caller's mode takes our compiles
-                pool = ThreadPoolExecutor(threads, thread_name_prefix="fullcg-triton-build")
                 mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
         except (ImportError, AttributeError):  # a Triton without asynchronous compiles: one at a time
-            pool = mode = None
-    # The first compile computes Triton's source key on this thread; the others find it cached.
+            mode = None
+    # The first compile needs Triton's source key: the background thread's, if one is
+    # computing it; the other compiles find it cached.
+    from fullcg import source_keys
+
+    source_keys.wait_for_triton_key()
     pending: list[tuple[Kernel, list[Any]]] = []
+    done: list[tuple[Kernel, list[Any]]] = []
     try:
         with mode if mode is not None else contextlib.nullcontext():
             for kernel, kernel_launches in planned:
@@ -831,16 +841,40 @@ def _compile_all(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, 
                     pending.append((kernel, [_compile(launch, leading) for launch, leading in kernel_launches]))
                 except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
                     failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
+        for kernel, compiled in pending:
+            try:
+                done.append((kernel, [k.result() if hasattr(k, "result") else k for k in compiled]))
+            except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
+                failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
+        unique = list({id(k): k for _, compiled in done for k in compiled if k is not None}.values())
+        loaded = pool.map(_load, unique, [device] * len(unique)) if pool is not None else map(
+            _load, unique, [device] * len(unique))
+        errors = {id(k): error for k, error in zip(unique, loaded) if error is not None}
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
-    done: list[tuple[Kernel, list[Any]]] = []
-    for kernel, compiled in pending:
-        try:
-            done.append((kernel, [k.result() if hasattr(k, "result") else k for k in compiled]))
-        except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
-            failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
-    return done
+    kept = []
+    for kernel, compiled in done:
+        error = next((errors[id(k)] for k in compiled if id(k) in errors), None)
+        if error is None:
+            kept.append((kernel, compiled))
+        else:
+            failures.append(f"{kernel.name}: {error}")
+    return kept
+
+
+def _load(compiled: Any, device: torch.device | None) -> str | None:
+    """Make ``compiled``'s launcher and load its module, as Triton does at its first launch
+    (``CompiledKernel._init_handles``), on ``device``; what failed, or None."""
+    init = getattr(compiled, "_init_handles", None)
+    if init is None:
+        return None
+    try:
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            init()
+    except Exception as exc:  # noqa: BLE001 - reported with the kernel's name; its launch would raise it too
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _interpreted() -> bool:

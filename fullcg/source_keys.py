@@ -29,13 +29,14 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["prefetch", "prefetch_triton"]
+__all__ = ["prefetch", "prefetch_triton", "wait_for_triton_key"]
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _started = False
 _triton_started = False
+_triton_thread: threading.Thread | None = None
 #: Keys whose computation torch's own cache runs in the background (torch >= 2.13).
 _prefetched: list[Callable[[], object]] = []
 
@@ -77,7 +78,7 @@ def prefetch() -> None:
 def prefetch_triton() -> None:
     """Start computing Triton's source key in the background, once per process, where a
     CUDA GPU is visible (no GPU, no Triton kernel is compiled or loaded by key)."""
-    global _triton_started
+    global _triton_started, _triton_thread
     with _lock:
         if _triton_started or _started:
             return
@@ -90,7 +91,16 @@ def prefetch_triton() -> None:
     except Exception as exc:  # noqa: BLE001 - no (or a broken) Triton: its first kernel reports it
         logger.debug("fullcg: Triton's source key not prefetched (%s: %s)", type(exc).__name__, exc)
         return
-    threading.Thread(target=_compute, args=(triton_key,), name="fullcg-triton-key", daemon=True).start()
+    _triton_thread = threading.Thread(target=_compute, args=(triton_key,), name="fullcg-triton-key", daemon=True)
+    _triton_thread.start()
+
+
+def wait_for_triton_key() -> None:
+    """Wait for :func:`prefetch_triton`'s thread, if one is running: a first kernel lookup
+    that came sooner would hash Triton's sources a second time beside it."""
+    thread = _triton_thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
 
 
 def _cuda_available() -> bool:

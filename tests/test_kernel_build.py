@@ -714,8 +714,9 @@ class _FakeJIT:
     """Stands in for a Triton kernel's JIT function: ``warmup`` compiles as Triton's does,
     through the active asynchronous compile mode when there is one (a future then)."""
 
-    def __init__(self, name: str, threads: list[str], fail: bool = False, seconds: float = 0.05) -> None:
-        self.name, self.threads, self.fail, self.seconds = name, threads, fail, seconds
+    def __init__(self, name: str, threads: list[str], fail: bool = False, seconds: float = 0.05,
+                 load_fails: bool = False) -> None:
+        self.name, self.threads, self.fail, self.seconds, self.load_fails = name, threads, fail, seconds, load_fails
 
     def warmup(self, *args, **kwargs):
         import threading
@@ -728,12 +729,32 @@ class _FakeJIT:
             time.sleep(self.seconds)
             if self.fail:
                 raise RuntimeError(f"{self.name} does not compile")
-            return f"compiled {self.name}"
+            return _FakeCompiled(self.name, self.threads, self.load_fails)
 
         mode = _async_compile.active_mode.get()
         if mode is None:
             return compile_()
         return mode.submit(self.name, compile_, lambda kernel: None)
+
+
+class _FakeCompiled:
+    """A compiled kernel: equal to ``"compiled <name>"``; its first launch's loading noted."""
+
+    def __init__(self, name: str, threads: list[str], load_fails: bool) -> None:
+        self.name, self.threads, self.load_fails, self.loaded = name, threads, load_fails, 0
+
+    def _init_handles(self) -> None:
+        import threading
+
+        self.threads.append("load " + threading.current_thread().name)
+        self.loaded += 1
+        if self.load_fails:
+            raise RuntimeError(f"{self.name} needs more shared memory than the GPU has")
+
+    def __eq__(self, other: object) -> bool:
+        return other == f"compiled {self.name}"
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _fake_launch(jit: _FakeJIT):
@@ -743,9 +764,10 @@ def _fake_launch(jit: _FakeJIT):
     return types.SimpleNamespace(launcher=launcher, tail=(), grid=(1,), num_warps=4, num_stages=1, constexprs=())
 
 
-def _fake_plan(names, threads, failing=()):
+def _fake_plan(names, threads, failing=(), failing_load=()):
     kernels = [Kernel("triton", name, (), name) for name in names]
-    return [(k, [(_fake_launch(_FakeJIT(k.what, threads, fail=k.what in failing)), ())]) for k in kernels]
+    return [(k, [(_fake_launch(_FakeJIT(k.what, threads, fail=k.what in failing, load_fails=k.what in failing_load)), ())])
+            for k in kernels]
 
 
 def test_triton_kernels_compile_side_by_side_on_build_threads(monkeypatch):
@@ -764,8 +786,11 @@ def test_triton_kernels_compile_side_by_side_on_build_threads(monkeypatch):
     seconds = time.perf_counter() - start
     assert failures == []
     assert [(k.what, compiled) for k, compiled in done] == [(f"k{i}", [f"compiled k{i}"]) for i in range(6)]
-    assert all(name.startswith("fullcg-triton-build") for name in threads), threads
-    assert len(set(threads)) == 4, "as many threads as the CPU has cores, at most"
+    compiles = [t for t in threads if not t.startswith("load ")]
+    loads = [t.removeprefix("load ") for t in threads if t.startswith("load ")]
+    assert all(name.startswith("fullcg-triton-build") for name in compiles + loads), threads
+    assert len(set(compiles)) == 4, "as many threads as the CPU has cores, at most"
+    assert len(loads) == 6 and all(c[0].loaded == 1 for _, c in done), "each kernel loaded once, on the build's threads"
     assert seconds < 6 * 0.3, "six 0.3 s compiles on four threads take two rounds, not six"
 
 
@@ -777,6 +802,15 @@ def test_a_kernel_that_fails_to_compile_is_named_and_the_others_still_compile(mo
     done = kernel_build._compile_all(_fake_plan(["a", "b", "c"], threads, failing={"b"}), failures)
     assert [k.what for k, _ in done] == ["a", "c"]
     assert len(failures) == 1 and failures[0].startswith("b: RuntimeError: b does not compile")
+
+
+def test_a_kernel_that_fails_to_load_is_named_and_left_out_of_the_built(monkeypatch):
+    pytest.importorskip("triton.runtime._async_compile")
+    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
+    failures: list[str] = []
+    done = kernel_build._compile_all(_fake_plan(["a", "b"], [], failing_load={"a"}), failures)
+    assert [k.what for k, _ in done] == ["b"]
+    assert failures == ["a: RuntimeError: a needs more shared memory than the GPU has"]
 
 
 def test_under_a_callers_compile_mode_the_kernels_compile_in_it(monkeypatch):
@@ -791,7 +825,7 @@ def test_under_a_callers_compile_mode_the_kernels_compile_in_it(monkeypatch):
     with ThreadPoolExecutor(2, thread_name_prefix="caller") as pool, _async_compile.AsyncCompileMode(pool):
         done = kernel_build._compile_all(_fake_plan(["a", "b"], threads), failures)
     assert failures == [] and [c for _, c in done] == [["compiled a"], ["compiled b"]]
-    assert all(name.startswith("caller") for name in threads)
+    assert all(name.startswith("caller") for name in threads if not name.startswith("load "))
 
 
 def test_one_launch_compiles_on_the_calling_thread(monkeypatch):
@@ -800,4 +834,5 @@ def test_one_launch_compiles_on_the_calling_thread(monkeypatch):
     monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
     threads: list[str] = []
     done = kernel_build._compile_all(_fake_plan(["a"], threads), [])
-    assert [c for _, c in done] == [["compiled a"]] and threads == [threading.current_thread().name]
+    me = threading.current_thread().name
+    assert [c for _, c in done] == [["compiled a"]] and threads == [me, f"load {me}"]

@@ -38,6 +38,7 @@ def fresh(monkeypatch):
     """A process that has not prefetched yet."""
     monkeypatch.setattr(source_keys, "_started", False)
     monkeypatch.setattr(source_keys, "_triton_started", False)
+    monkeypatch.setattr(source_keys, "_triton_thread", None)
 
 
 def _triton_key_spy(monkeypatch) -> tuple[list[str], threading.Event]:
@@ -178,3 +179,26 @@ def test_a_child_forked_before_the_keys_arrive_computes_them_itself(fresh, monke
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child hung or failed (status {status})"
     assert slow_key() == b"key"
+
+
+def test_a_kernel_build_waits_for_the_background_hash_instead_of_hashing_beside_it(fresh, monkeypatch):
+    triton_cache = pytest.importorskip("triton.runtime.cache")
+    release = threading.Event()
+    calls: list[str] = []
+
+    def slow_key() -> str:
+        calls.append(threading.current_thread().name)
+        release.wait(30)
+        return "triton"
+
+    monkeypatch.setattr(triton_cache, "triton_key", slow_key)
+    monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
+    source_keys.prefetch_triton()
+    waiter = threading.Thread(target=source_keys.wait_for_triton_key)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "waits while the key is being computed"
+    release.set()
+    waiter.join(30)
+    assert not waiter.is_alive() and calls == ["fullcg-triton-key"]
+    source_keys.wait_for_triton_key()  # done: returns at once
