@@ -244,7 +244,9 @@ def _dynamo_frames() -> list[Any]:
 def _instrument(timers: Counter[str]) -> None:
     """Time fullcg's compile cache (key, load, store), its build of the attention and fused
     kernels before the first capture (``kernel_build_s``: its Triton kernels compile on
-    threads of their own, so their compiles count here, not in ``triton_jit_s``) and, where
+    threads of their own, so their compiles count here, not in ``triton_jit_s``), Triton's C
+    modules (``triton_host_modules_s``: each kernel's launcher and Triton's CUDA utilities,
+    built with the host's compiler or loaded; summed over threads) and, where
     torch has already imported it, Inductor's probe of the CPU's vector instructions
     (seconds by name, summed)."""
     from fullcg import kernel_build
@@ -252,6 +254,12 @@ def _instrument(timers: Counter[str]) -> None:
 
     targets: list[tuple[Any, str, str]] = [(CompileCache, n, f"fullcg_cache_{n}_s") for n in ("key", "load", "store")]
     targets.append((kernel_build, "build_kernels", "kernel_build_s"))
+    try:  # Triton's C modules (each kernel's launcher, its CUDA utilities): built with gcc once, then loaded
+        from triton.backends.nvidia import driver as triton_driver
+
+        targets.append((triton_driver, "compile_module_from_src", "triton_host_modules_s"))
+    except ImportError:
+        pass
     # Importing it here would move Inductor's import into this benchmark's bookkeeping.
     vec_isa = sys.modules.get("torch._inductor.cpu_vec_isa")
     if vec_isa is not None and hasattr(getattr(vec_isa, "VecISA", None), "check_build"):

@@ -827,11 +827,11 @@ def _compile_all(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, 
                 mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
         except (ImportError, AttributeError):  # a Triton without asynchronous compiles: one at a time
             mode = None
-    # The first compile needs Triton's source key: the background thread's, if one is
-    # computing it; the other compiles find it cached.
+    # The first compile needs Triton's source key and its driver: the background thread's,
+    # if one is making them; the other compiles find them made.
     from fullcg import source_keys
 
-    source_keys.wait_for_triton_key()
+    source_keys.wait_for_triton()
     pending: list[tuple[Kernel, list[Any]]] = []
     done: list[tuple[Kernel, list[Any]]] = []
     try:

@@ -17,9 +17,12 @@ keys itself. On torch 2.11 the caches take no lock: a first use that comes befor
 thread is done computes the key a second time, with the same result.
 
 Without Inductor, Triton's key is still the first thing a GPU step's kernels wait for (Triton
-computes it to look up every kernel it has not loaded yet), so :func:`prefetch_triton`
-starts that one alone, when the first fullcg attention layer is made on a machine with a GPU:
-the model's weights are built or loaded meanwhile.
+computes it to look up every kernel it has not loaded yet), and after it Triton's CUDA
+driver object (its first use builds a C module with the host's compiler on a fresh
+machine, a few tenths of a second, and loads it), so :func:`prefetch_triton` starts those
+two alone, when the first fullcg attention layer is made on a machine with a GPU: the
+model's weights are built or loaded meanwhile, and the kernel build waits for the thread
+(:func:`wait_for_triton`) rather than doing its work a second time beside it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["prefetch", "prefetch_triton", "wait_for_triton_key"]
+__all__ = ["prefetch", "prefetch_triton", "wait_for_triton"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +79,9 @@ def prefetch() -> None:
 
 
 def prefetch_triton() -> None:
-    """Start computing Triton's source key in the background, once per process, where a
-    CUDA GPU is visible (no GPU, no Triton kernel is compiled or loaded by key)."""
+    """Start computing Triton's source key and making its CUDA driver in the background,
+    once per process, where a CUDA GPU is visible (no GPU, no Triton kernel is compiled or
+    loaded by key)."""
     global _triton_started, _triton_thread
     with _lock:
         if _triton_started or _started:
@@ -86,18 +90,24 @@ def prefetch_triton() -> None:
     try:
         if not _cuda_available():
             return
-        # On this thread, as in prefetch(); the hashing is what runs in the background.
+        # Imported on this thread, as in prefetch(); the hashing and the driver's module
+        # are what run in the background.
         from triton.runtime.cache import triton_key
+        from triton.runtime.driver import driver
     except Exception as exc:  # noqa: BLE001 - no (or a broken) Triton: its first kernel reports it
         logger.debug("fullcg: Triton's source key not prefetched (%s: %s)", type(exc).__name__, exc)
         return
-    _triton_thread = threading.Thread(target=_compute, args=(triton_key,), name="fullcg-triton-key", daemon=True)
+    def active_driver() -> object:
+        return driver.active
+
+    _triton_thread = threading.Thread(target=_compute, args=(triton_key, active_driver), name="fullcg-triton-key",
+                                      daemon=True)
     _triton_thread.start()
 
 
-def wait_for_triton_key() -> None:
+def wait_for_triton() -> None:
     """Wait for :func:`prefetch_triton`'s thread, if one is running: a first kernel lookup
-    that came sooner would hash Triton's sources a second time beside it."""
+    that came sooner would hash Triton's sources, or make its driver, a second time beside it."""
     thread = _triton_thread
     if thread is not None and thread is not threading.current_thread():
         thread.join()

@@ -86,6 +86,19 @@ def test_the_first_attention_layer_on_a_gpu_machine_hashes_tritons_sources_in_th
     assert threads == ["fullcg-triton-key"], "once per process, on a thread of its own"
 
 
+def test_the_background_thread_also_makes_tritons_driver(fresh, monkeypatch):
+    # Its first use builds (on a fresh machine) and loads a C module: off the first step's path too.
+    threads, _ = _triton_key_spy(monkeypatch)
+    driver_module = pytest.importorskip("triton.runtime.driver")
+    made: list[str] = []
+    monkeypatch.setattr(type(driver_module.driver), "active",
+                        property(lambda self: made.append(threading.current_thread().name)), raising=False)
+    monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
+    source_keys.prefetch_triton()
+    source_keys.wait_for_triton()
+    assert threads == ["fullcg-triton-key"] and made == ["fullcg-triton-key"]
+
+
 def test_without_a_gpu_no_layer_hashes_tritons_sources(fresh, monkeypatch):
     threads, _ = _triton_key_spy(monkeypatch)
     monkeypatch.setattr(source_keys, "_cuda_available", lambda: False)
@@ -194,11 +207,11 @@ def test_a_kernel_build_waits_for_the_background_hash_instead_of_hashing_beside_
     monkeypatch.setattr(triton_cache, "triton_key", slow_key)
     monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
     source_keys.prefetch_triton()
-    waiter = threading.Thread(target=source_keys.wait_for_triton_key)
+    waiter = threading.Thread(target=source_keys.wait_for_triton)
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive(), "waits while the key is being computed"
     release.set()
     waiter.join(30)
     assert not waiter.is_alive() and calls == ["fullcg-triton-key"]
-    source_keys.wait_for_triton_key()  # done: returns at once
+    source_keys.wait_for_triton()  # done: returns at once
