@@ -714,19 +714,19 @@ class _FakeJIT:
     """Stands in for a Triton kernel's JIT function: ``warmup`` compiles as Triton's does,
     through the active asynchronous compile mode when there is one (a future then)."""
 
-    def __init__(self, name: str, threads: list[str], fail: bool = False, seconds: float = 0.05,
-                 load_fails: bool = False) -> None:
-        self.name, self.threads, self.fail, self.seconds, self.load_fails = name, threads, fail, seconds, load_fails
+    def __init__(self, name: str, threads: list[str], fail: bool = False, load_fails: bool = False) -> None:
+        self.name, self.threads, self.fail, self.load_fails = name, threads, fail, load_fails
+        self.barrier = None  # a threading.Barrier the compile waits at, where a test gives one
 
     def warmup(self, *args, **kwargs):
         import threading
-        import time
 
         from triton.runtime import _async_compile
 
         def compile_():
             self.threads.append(threading.current_thread().name)
-            time.sleep(self.seconds)
+            if self.barrier is not None:
+                self.barrier.wait()
             if self.fail:
                 raise RuntimeError(f"{self.name} does not compile")
             return _FakeCompiled(self.name, self.threads, self.load_fails)
@@ -764,26 +764,35 @@ def _fake_launch(jit: _FakeJIT):
     return types.SimpleNamespace(launcher=launcher, tail=(), grid=(1,), num_warps=4, num_stages=1, constexprs=())
 
 
+@pytest.fixture
+def compiled_builds(monkeypatch):
+    """Builds that compile (as on a GPU, not under the interpreter), with no background
+    work of Triton's to wait for: the fake launches stand for Triton."""
+    from fullcg import source_keys
+
+    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
+    monkeypatch.setattr(source_keys, "wait_for_triton", lambda: None)
+
+
 def _fake_plan(names, threads, failing=(), failing_load=()):
     kernels = [Kernel("triton", name, (), name) for name in names]
     return [(k, [(_fake_launch(_FakeJIT(k.what, threads, fail=k.what in failing, load_fails=k.what in failing_load)), ())])
             for k in kernels]
 
 
-def test_triton_kernels_compile_side_by_side_on_build_threads(monkeypatch):
+def test_triton_kernels_compile_side_by_side_on_build_threads(compiled_builds, monkeypatch):
     pytest.importorskip("triton.runtime._async_compile")
-    import time
+    import threading
 
-    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
     monkeypatch.setattr(kernel_build.os, "cpu_count", lambda: 4)
     threads: list[str] = []
     planned = _fake_plan([f"k{i}" for i in range(6)], threads)
-    for _, launches in planned:
-        launches[0][0].launcher.fn.seconds = 0.3
+    # The first four compiles meet at a barrier: one at a time, it would break (time out).
+    together = threading.Barrier(4, timeout=30)
+    for _, launches in planned[:4]:
+        launches[0][0].launcher.fn.barrier = together
     failures: list[str] = []
-    start = time.perf_counter()
     done = kernel_build._compile_all(planned, failures)
-    seconds = time.perf_counter() - start
     assert failures == []
     assert [(k.what, compiled) for k, compiled in done] == [(f"k{i}", [f"compiled k{i}"]) for i in range(6)]
     compiles = [t for t in threads if not t.startswith("load ")]
@@ -791,12 +800,10 @@ def test_triton_kernels_compile_side_by_side_on_build_threads(monkeypatch):
     assert all(name.startswith("fullcg-triton-build") for name in compiles + loads), threads
     assert len(set(compiles)) == 4, "as many threads as the CPU has cores, at most"
     assert len(loads) == 6 and all(c[0].loaded == 1 for _, c in done), "each kernel loaded once, on the build's threads"
-    assert seconds < 6 * 0.3, "six 0.3 s compiles on four threads take two rounds, not six"
 
 
-def test_a_kernel_that_fails_to_compile_is_named_and_the_others_still_compile(monkeypatch):
+def test_a_kernel_that_fails_to_compile_is_named_and_the_others_still_compile(compiled_builds, monkeypatch):
     pytest.importorskip("triton.runtime._async_compile")
-    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
     threads: list[str] = []
     failures: list[str] = []
     done = kernel_build._compile_all(_fake_plan(["a", "b", "c"], threads, failing={"b"}), failures)
@@ -804,22 +811,20 @@ def test_a_kernel_that_fails_to_compile_is_named_and_the_others_still_compile(mo
     assert len(failures) == 1 and failures[0].startswith("b: RuntimeError: b does not compile")
 
 
-def test_a_kernel_that_fails_to_load_is_named_and_left_out_of_the_built(monkeypatch):
+def test_a_kernel_that_fails_to_load_is_named_and_left_out_of_the_built(compiled_builds, monkeypatch):
     pytest.importorskip("triton.runtime._async_compile")
-    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
     failures: list[str] = []
     done = kernel_build._compile_all(_fake_plan(["a", "b"], [], failing_load={"a"}), failures)
     assert [k.what for k, _ in done] == ["b"]
     assert failures == ["a: RuntimeError: a needs more shared memory than the GPU has"]
 
 
-def test_under_a_callers_compile_mode_the_kernels_compile_in_it(monkeypatch):
+def test_under_a_callers_compile_mode_the_kernels_compile_in_it(compiled_builds, monkeypatch):
     # Triton allows one asynchronous compile mode at a time: a build inside a caller's (an
     # Inductor compile) hands its compiles to that one and still returns compiled kernels.
     _async_compile = pytest.importorskip("triton.runtime._async_compile")
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
     threads: list[str] = []
     failures: list[str] = []
     with ThreadPoolExecutor(2, thread_name_prefix="caller") as pool, _async_compile.AsyncCompileMode(pool):
@@ -828,10 +833,9 @@ def test_under_a_callers_compile_mode_the_kernels_compile_in_it(monkeypatch):
     assert all(name.startswith("caller") for name in threads if not name.startswith("load "))
 
 
-def test_one_launch_compiles_on_the_calling_thread(monkeypatch):
+def test_one_launch_compiles_on_the_calling_thread(compiled_builds, monkeypatch):
     import threading
 
-    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
     threads: list[str] = []
     done = kernel_build._compile_all(_fake_plan(["a"], threads), [])
     me = threading.current_thread().name
