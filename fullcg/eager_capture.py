@@ -279,6 +279,10 @@ class SegmentedGraph:
         #: models that gather prefix chunks themselves (their kernels follow the chunk plan).
         self.per_chunk_plan = False
         self.entries: dict[Hashable, _Segments] = {}
+        #: Sizes the model has already run at, warm-up included (a full graph's capture of
+        #: that size): its segments hold the same kernels on the same shapes, so a capture
+        #: of such a size needs no warm-up of its own (:meth:`note_warm`).
+        self.warm_sizes: set[int] = set()
 
     def __call__(self, *args: Any) -> Any:
         size = current_padded_size()  # the step's dispatch key, from its forward context
@@ -306,9 +310,16 @@ class SegmentedGraph:
                     cudagraph.copy_into(split.bridge, result)
         return entry.output
 
+    def note_warm(self, size: int) -> None:
+        """The model has just run at ``size`` tokens, warmed up and captured whole (a full
+        graph of that size): what a warm-up would do is done. The attention ops, which differ
+        between batch kinds, run between the segments, outside any capture."""
+        self.warm_sizes.add(size)
+
     def _capture(self, size: int, args: Sequence[Any]) -> _Segments:
-        with counts_discarded():  # the segments' replays compute the step; this run is only a warm-up
-            self.fn(*args)  # warm-up: first runs pick kernels, compile and allocate, never inside a capture
+        if size not in self.warm_sizes:
+            with counts_discarded():  # the segments' replays compute the step; this run is only a warm-up
+                self.fn(*args)  # warm-up: first runs pick kernels, compile and allocate, never inside a capture
         self.graphs.synchronize()
         splitter = _Splitter(self.graphs)
         splitter.begin()

@@ -510,6 +510,10 @@ class StepRunner:
                 entry = self.full_graphs[key] = cudagraph.capture_graph(
                     self.full, staged, self.device, self.pool, before_capture=static_ctx.step.clear
                 )
+                # Pieces captured as the model runs (no compiler) skip their warm-up at this size.
+                note_warm = getattr(self.piecewise, "note_warm", None)
+                if note_warm is not None:
+                    note_warm(size)
                 # The implementations the captured attention calls resolved (per head dims)
                 # that plan on the host: their plans are refilled before every replay.
                 self._planners[key] = tuple(i for i in static_ctx.step.resolved() if type(i).plan is not AttentionImpl.plan)

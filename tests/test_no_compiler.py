@@ -235,6 +235,38 @@ def test_capture_up_front_then_steps_only_replay():
     assert graphs.replayed > 0 and fullcg.graph_mode_counts()["piecewise:captured"] > 0
 
 
+
+def test_a_size_whose_full_graph_warmed_the_model_up_is_captured_in_pieces_without_another_warm_up():
+    # full_and_piecewise captures a size's full graph first (its own warm-up and capture
+    # run the same kernels on the same shapes as the pieces hold), then its pieces.
+    eager, model = _pair()
+    config = fullcg.FullCGConfig(compiler="none", graph_mode="piecewise", capture_sizes=SIZES)
+    run, made = _emulated(model, config)
+    _step(model, run)  # the first step builds the runner (3 tokens: captures size 4)
+    segmented = run.runners[0].piecewise
+    assert set(segmented.entries) == {4}
+    runs: list[int] = []
+    real = segmented.fn
+
+    def counted(*args):
+        runs.append(1)
+        return real(*args)
+
+    segmented.fn = counted
+    segmented.note_warm(8)
+    step = Scheduler([[1, 2, 3]], 1, num_pages=64, page_size=4).next_step()
+    with torch.inference_mode():
+        fullcg.capture(run, step.metadata, model, step.input_ids, step.positions)
+    new_sizes = [s for s in SIZES if s != 4]
+    assert len(runs) == 2 * len(new_sizes) - 1, "a warm-up and a capture per new size, no warm-up at 8"
+    for layer in model.attention_layers():
+        layer.kv_cache.k.zero_()
+        layer.kv_cache.v.zero_()
+    worst, _ = side_by_side(eager, model, run, config, [[4, 5, 6, 7, 8, 9, 10, 11], [9, 10]], max_new_tokens=4,
+                            prefill_chunk=8)
+    assert worst <= 1e-5
+
+
 class _ChunkLoopModel(torch.nn.Module):
     """The chunked-prefix pattern written in the model, one gather per prefix chunk: the
     kernels around the gathers depend on the chunk count (Dynamo would trace a graph per count)."""
@@ -403,6 +435,8 @@ def test_cuda_capture_up_front_then_replay_without_new_captures():
             fullcg.capture(run, step.metadata, model, step.input_ids, step.positions)
         runner = run.runners[0]
         full_before, pieces_before = dict(runner.full_graphs), dict(runner.piecewise.entries)
+        # Each size's full graph is captured first; its pieces then need no warm-up of their own.
+        assert runner.piecewise.warm_sizes == ({1, 4, 16, 64} if mode == "full_and_piecewise" else set())
         for layer in model.attention_layers():
             layer.kv_cache.k.zero_()
             layer.kv_cache.v.zero_()
