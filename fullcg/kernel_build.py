@@ -48,6 +48,7 @@ for FlashInfer's MLA plan.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -813,34 +814,28 @@ def _compile_all(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, 
     :data:`MAX_BUILD_THREADS` threads where Triton compiles asynchronously
     (``AsyncCompileMode``); ``(kernel, compiled)`` for each kernel all of whose launches
     compiled and loaded, a failure noted for each of the others."""
-    launches = sum(len(ls) for _, ls in planned)
-    threads = min(MAX_BUILD_THREADS, os.cpu_count() or 1, launches)
-    pool = mode = None
-    if threads > 1 and not _interpreted():
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="fullcg-triton-build")
-        try:
-            from triton.runtime import _async_compile
-
-            if _async_compile.active_mode.get() is None:  # else a caller's mode takes our compiles
-                mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
-        except (ImportError, AttributeError):  # a Triton without asynchronous compiles: one at a time
-            mode = None
-    # The first compile needs Triton's source key and its driver: the background thread's,
-    # if one is making them; the other compiles find them made.
     from fullcg import source_keys
 
+    # The first compile needs Triton's source key and its driver: the background thread's,
+    # if one is making them; the other compiles find them made.
     source_keys.wait_for_triton()
+    launches = sum(len(ls) for _, ls in planned)
+    threads = min(MAX_BUILD_THREADS, os.cpu_count() or 1, launches)
+    pool = None
     pending: list[tuple[Kernel, list[Any]]] = []
     done: list[tuple[Kernel, list[Any]]] = []
     try:
-        with mode if mode is not None else contextlib.nullcontext():
-            for kernel, kernel_launches in planned:
-                try:
-                    pending.append((kernel, [_compile(launch, leading) for launch, leading in kernel_launches]))
-                except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
-                    failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
+        if threads > 1 and not _interpreted():
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="fullcg-triton-build")
+        # In a copy of the caller's context: Triton keeps its asynchronous mode in a context
+        # variable, so ours is seen by these compiles alone, a caller's mode never takes them,
+        # and an interrupt or a failing compile hook part-way leaves no mode behind.
+        try:
+            contextvars.copy_context().run(_submit, planned, pool, pending, failures)
+        except Exception as exc:  # noqa: BLE001 - a hook as compiles finished; each kernel's result says more below
+            failures.append(f"finishing Triton's compiles: {type(exc).__name__}: {exc}")
         for kernel, compiled in pending:
             try:
                 done.append((kernel, [k.result() if hasattr(k, "result") else k for k in compiled]))
@@ -863,6 +858,27 @@ def _compile_all(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, 
     return kept
 
 
+def _submit(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, ...]]]]], pool: Any,
+            pending: list[tuple[Kernel, list[Any]]], failures: list[str]) -> None:
+    """Start every planned launch's compile, on ``pool`` under an asynchronous compile mode
+    of this context's own where Triton has one (else one at a time, here), and wait for them."""
+    mode = None
+    if pool is not None:
+        try:
+            from triton.runtime import _async_compile
+
+            _async_compile.active_mode.set(None)  # this context's: a caller's mode stays the caller's
+            mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
+        except (ImportError, AttributeError):  # a Triton without asynchronous compiles: one at a time
+            mode = None
+    with mode if mode is not None else contextlib.nullcontext():
+        for kernel, kernel_launches in planned:
+            try:
+                pending.append((kernel, [_compile(launch, leading) for launch, leading in kernel_launches]))
+            except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
+                failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
+
+
 def _load(compiled: Any, device: torch.device | None) -> str | None:
     """Make ``compiled``'s launcher and load its module, as Triton does at its first launch
     (``CompiledKernel._init_handles``), on ``device``; what failed, or None."""
@@ -872,7 +888,14 @@ def _load(compiled: Any, device: torch.device | None) -> str | None:
     try:
         with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
             init()
-    except Exception as exc:  # noqa: BLE001 - reported with the kernel's name; its launch would raise it too
+    except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
+        # Triton sets the launcher before loading the module: a load that failed (out of
+        # memory, say) would leave a launcher without a function for the first launch to
+        # call. Cleared, that launch loads again and raises the load's own error. (A kernel
+        # over the GPU's limits keeps the launcher Triton made to raise that error.)
+        if getattr(compiled, "module", None) is None and not isinstance(getattr(compiled, "_run", None),
+                                                                         functools.partial):
+            compiled._run = None
         return f"{type(exc).__name__}: {exc}"
     return None
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fullcg import source_keys
 from fullcg.errors import KVCacheError
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class KVCache:
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in ("k", "v"):
+            if name == "k" and isinstance(value, torch.Tensor) and value.is_cuda:
+                # Triton's first kernel lookup on this GPU waits for these: start them now.
+                source_keys.prefetch_triton()
             object.__setattr__(self, "fit", None)
             object.__setattr__(self, "_v_offset", False)
             object.__setattr__(self, "_v_in_k", None)

@@ -92,7 +92,6 @@ class Attention(nn.Module, CacheOwner):
         sinks: bool = False,
     ) -> None:
         super().__init__()
-        source_keys.prefetch_triton()  # the first kernel's lookup needs it; weights load meanwhile
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -117,6 +116,7 @@ class Attention(nn.Module, CacheOwner):
                 f"Attention: sinks must be True or False (a learned sink per head); pass sink logits per call as "
                 f"forward(..., sinks=tensor), got {type(sinks).__name__}"
             )
+        source_keys.prefetch_triton()  # the first kernel's lookup needs it; weights load meanwhile
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

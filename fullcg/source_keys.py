@@ -20,8 +20,8 @@ Without Inductor, Triton's key is still the first thing a GPU step's kernels wai
 computes it to look up every kernel it has not loaded yet), and after it Triton's CUDA
 driver object (its first use builds a C module with the host's compiler on a fresh
 machine, a few tenths of a second, and loads it), so :func:`prefetch_triton` starts those
-two alone, when the first fullcg attention layer is made on a machine with a GPU: the
-model's weights are built or loaded meanwhile, and the kernel build waits for the thread
+two alone, when the first fullcg attention layer is made in a process using CUDA, or else
+when the first KV cache is put on a GPU: the model's weights are built or loaded meanwhile, and the kernel build waits for the thread
 (:func:`wait_for_triton`) rather than doing its work a second time beside it.
 """
 
@@ -80,16 +80,16 @@ def prefetch() -> None:
 
 def prefetch_triton() -> None:
     """Start computing Triton's source key and making its CUDA driver in the background,
-    once per process, where a CUDA GPU is visible (no GPU, no Triton kernel is compiled or
-    loaded by key)."""
+    once per process, where CUDA is in use (no GPU, no Triton kernel is compiled or loaded
+    by key). Called when a fullcg attention layer is made and when a KV cache lands on a GPU."""
     global _triton_started, _triton_thread
+    if _triton_started or _started or not _cuda_in_use():  # not in use yet: a later call may start it
+        return
     with _lock:
-        if _triton_started or _started:
+        if _triton_started:
             return
         _triton_started = True
     try:
-        if not _cuda_available():
-            return
         # Imported on this thread, as in prefetch(); the hashing and the driver's module
         # are what run in the background.
         from triton.runtime.cache import triton_key
@@ -97,6 +97,7 @@ def prefetch_triton() -> None:
     except Exception as exc:  # noqa: BLE001 - no (or a broken) Triton: its first kernel reports it
         logger.debug("fullcg: Triton's source key not prefetched (%s: %s)", type(exc).__name__, exc)
         return
+
     def active_driver() -> object:
         return driver.active
 
@@ -113,10 +114,12 @@ def wait_for_triton() -> None:
         thread.join()
 
 
-def _cuda_available() -> bool:
+def _cuda_in_use() -> bool:
+    """CUDA is initialised in this process already. (Asking whether it is available would
+    initialise it, which a process that builds a model and then forks workers must not do.)"""
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.is_initialized()
 
 
 def _compute(*keys: Callable[[], object]) -> None:

@@ -717,6 +717,7 @@ class _FakeJIT:
     def __init__(self, name: str, threads: list[str], fail: bool = False, load_fails: bool = False) -> None:
         self.name, self.threads, self.fail, self.load_fails = name, threads, fail, load_fails
         self.barrier = None  # a threading.Barrier the compile waits at, where a test gives one
+        self.finalize_fails = False  # as a post-compile hook that raises, when the compile is taken in
 
     def warmup(self, *args, **kwargs):
         import threading
@@ -734,7 +735,11 @@ class _FakeJIT:
         mode = _async_compile.active_mode.get()
         if mode is None:
             return compile_()
-        return mode.submit(self.name, compile_, lambda kernel: None)
+        def finalize(kernel):
+            if self.finalize_fails:
+                raise RuntimeError("post-compile hook failed")
+
+        return mode.submit(self.name, compile_, finalize)
 
 
 class _FakeCompiled:
@@ -819,18 +824,68 @@ def test_a_kernel_that_fails_to_load_is_named_and_left_out_of_the_built(compiled
     assert failures == ["a: RuntimeError: a needs more shared memory than the GPU has"]
 
 
-def test_under_a_callers_compile_mode_the_kernels_compile_in_it(compiled_builds, monkeypatch):
-    # Triton allows one asynchronous compile mode at a time: a build inside a caller's (an
-    # Inductor compile) hands its compiles to that one and still returns compiled kernels.
+def test_under_a_callers_compile_mode_the_kernels_compile_on_the_builds_threads(compiled_builds, monkeypatch):
+    # Triton keeps its asynchronous mode in a context variable: a build inside a caller's
+    # mode (an Inductor compile) neither hands its compiles to it nor leaves it changed.
     _async_compile = pytest.importorskip("triton.runtime._async_compile")
     from concurrent.futures import ThreadPoolExecutor
 
     threads: list[str] = []
     failures: list[str] = []
-    with ThreadPoolExecutor(2, thread_name_prefix="caller") as pool, _async_compile.AsyncCompileMode(pool):
+    with ThreadPoolExecutor(2, thread_name_prefix="caller") as pool, _async_compile.AsyncCompileMode(pool) as mode:
         done = kernel_build._compile_all(_fake_plan(["a", "b"], threads), failures)
+        assert _async_compile.active_mode.get() is mode and mode.raw_futures == []
     assert failures == [] and [c for _, c in done] == [["compiled a"], ["compiled b"]]
-    assert all(name.startswith("caller") for name in threads if not name.startswith("load "))
+    assert all(name.startswith("fullcg-triton-build") for name in threads if not name.startswith("load "))
+
+
+def test_a_hook_failing_as_compiles_finish_is_reported_and_leaves_no_compile_mode_behind(compiled_builds, monkeypatch):
+    _async_compile = pytest.importorskip("triton.runtime._async_compile")
+    planned = _fake_plan(["a", "b"], [])
+    planned[0][1][0][0].launcher.fn.finalize_fails = True
+    failures: list[str] = []
+    kernel_build._compile_all(planned, failures)
+    assert any("finishing Triton's compiles: RuntimeError: post-compile hook failed" in f for f in failures), failures
+    assert _async_compile.active_mode.get() is None, "no mode left active for the caller's later compiles"
+    again: list[str] = []
+    assert [k.what for k, _ in kernel_build._compile_all(_fake_plan(["c"], []), again)] == ["c"] and again == []
+
+
+def test_a_build_waits_for_the_background_work_before_its_first_compile(monkeypatch):
+    from fullcg import source_keys
+
+    monkeypatch.setattr(kernel_build, "_interpreted", lambda: False)
+    order: list[str] = []
+    monkeypatch.setattr(source_keys, "wait_for_triton", lambda: order.append("wait"))
+    kernel_build._compile_all(_fake_plan(["a", "b"], order), [])
+    assert order[0] == "wait" and len(order) > 1
+
+
+def test_a_kernel_whose_load_failed_loads_again_at_its_first_launch():
+    # Triton sets the launcher before loading the module: left set after a failed load, the
+    # first launch would call it without a function instead of raising the load's error.
+    class Compiled:
+        module = None
+        _run = None
+
+        def _init_handles(self):
+            self._run = "a launcher"
+            raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY")
+
+    compiled = Compiled()
+    assert kernel_build._load(compiled, None) == "RuntimeError: CUDA_ERROR_OUT_OF_MEMORY"
+    assert compiled._run is None
+
+    import functools
+
+    class OverLimits(Compiled):
+        def _init_handles(self):  # as Triton does for a kernel over the GPU's shared memory
+            self._run = functools.partial(print, "raises OutOfResources at every launch")
+            raise RuntimeError("OutOfResources")
+
+    over = OverLimits()
+    kernel_build._load(over, None)
+    assert isinstance(over._run, functools.partial), "Triton's launcher that raises the limit's error is kept"
 
 
 def test_one_launch_compiles_on_the_calling_thread(compiled_builds, monkeypatch):

@@ -39,6 +39,10 @@ def fresh(monkeypatch):
     monkeypatch.setattr(source_keys, "_started", False)
     monkeypatch.setattr(source_keys, "_triton_started", False)
     monkeypatch.setattr(source_keys, "_triton_thread", None)
+    yield
+    thread = source_keys._triton_thread  # a test's background thread ends before the next test patches Triton
+    if thread is not None:
+        thread.join(30)
 
 
 def _triton_key_spy(monkeypatch) -> tuple[list[str], threading.Event]:
@@ -78,7 +82,7 @@ def test_the_first_attention_layer_on_a_gpu_machine_hashes_tritons_sources_in_th
     # Without Inductor, Triton's key is what the first kernel lookup waits for; the layers
     # are made before the weights are loaded, so the hash runs meanwhile.
     threads, done = _triton_key_spy(monkeypatch)
-    monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
+    monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: True)
     fullcg.Attention(2, 8, layer_id=0)
     assert done.wait(30), "Triton's key was not computed"
     fullcg.Attention(2, 8, layer_id=1)
@@ -93,7 +97,7 @@ def test_the_background_thread_also_makes_tritons_driver(fresh, monkeypatch):
     made: list[str] = []
     monkeypatch.setattr(type(driver_module.driver), "active",
                         property(lambda self: made.append(threading.current_thread().name)), raising=False)
-    monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
+    monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: True)
     source_keys.prefetch_triton()
     source_keys.wait_for_triton()
     assert threads == ["fullcg-triton-key"] and made == ["fullcg-triton-key"]
@@ -101,7 +105,7 @@ def test_the_background_thread_also_makes_tritons_driver(fresh, monkeypatch):
 
 def test_without_a_gpu_no_layer_hashes_tritons_sources(fresh, monkeypatch):
     threads, _ = _triton_key_spy(monkeypatch)
-    monkeypatch.setattr(source_keys, "_cuda_available", lambda: False)
+    monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: False)
     fullcg.Attention(2, 8, layer_id=0)
     time.sleep(0.05)
     assert threads == []
@@ -109,7 +113,7 @@ def test_without_a_gpu_no_layer_hashes_tritons_sources(fresh, monkeypatch):
 
 def test_a_process_that_prefetched_both_keys_does_not_hash_tritons_again(fresh, monkeypatch):
     threads, _ = _triton_key_spy(monkeypatch)
-    monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
+    monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: True)
     monkeypatch.setattr(source_keys, "_started", True)
     source_keys.prefetch_triton()
     time.sleep(0.05)
@@ -205,7 +209,7 @@ def test_a_kernel_build_waits_for_the_background_hash_instead_of_hashing_beside_
         return "triton"
 
     monkeypatch.setattr(triton_cache, "triton_key", slow_key)
-    monkeypatch.setattr(source_keys, "_cuda_available", lambda: True)
+    monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: True)
     source_keys.prefetch_triton()
     waiter = threading.Thread(target=source_keys.wait_for_triton)
     waiter.start()
@@ -215,3 +219,24 @@ def test_a_kernel_build_waits_for_the_background_hash_instead_of_hashing_beside_
     waiter.join(30)
     assert not waiter.is_alive() and calls == ["fullcg-triton-key"]
     source_keys.wait_for_triton()  # done: returns at once
+
+
+def test_a_process_not_yet_using_cuda_is_left_so_until_a_kv_cache_lands_on_a_gpu(fresh, monkeypatch):
+    # Asking whether CUDA is available initialises it, which a parent that builds a model
+    # and then forks workers must not have done: a layer made before CUDA is in use starts
+    # nothing; the first KV cache on a GPU does.
+    threads, done = _triton_key_spy(monkeypatch)
+    asked: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(True) or True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    fullcg.Attention(2, 8, layer_id=0)
+    assert asked == [] and threads == []
+
+    class GpuTensor(torch.Tensor):
+        is_cuda = True
+
+    monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: True)
+    from fullcg.kv_cache import KVCache
+
+    KVCache(torch.zeros(1, 1, 1, 8).as_subclass(GpuTensor), torch.zeros(1, 1, 1, 8))
+    assert done.wait(30) and threads == ["fullcg-triton-key"]
