@@ -863,14 +863,14 @@ def _submit(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, ...]]
     """Start every planned launch's compile, on ``pool`` under an asynchronous compile mode
     of this context's own where Triton has one (else one at a time, here), and wait for them."""
     mode = None
-    if pool is not None:
-        try:
-            from triton.runtime import _async_compile
+    try:
+        from triton.runtime import _async_compile
 
-            _async_compile.active_mode.set(None)  # this context's: a caller's mode stays the caller's
+        _async_compile.active_mode.set(None)  # this context's: a caller's mode stays the caller's
+        if pool is not None:
             mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
-        except (ImportError, AttributeError):  # a Triton without asynchronous compiles: one at a time
-            mode = None
+    except (ImportError, AttributeError):  # a Triton without asynchronous compiles: one at a time
+        mode = None
     with mode if mode is not None else contextlib.nullcontext():
         for kernel, kernel_launches in planned:
             try:

@@ -834,9 +834,15 @@ def test_under_a_callers_compile_mode_the_kernels_compile_on_the_builds_threads(
     failures: list[str] = []
     with ThreadPoolExecutor(2, thread_name_prefix="caller") as pool, _async_compile.AsyncCompileMode(pool) as mode:
         done = kernel_build._compile_all(_fake_plan(["a", "b"], threads), failures)
+        one = kernel_build._compile_all(_fake_plan(["c"], threads), failures)  # one launch: this thread
         assert _async_compile.active_mode.get() is mode and mode.raw_futures == []
+    assert [c for _, c in one] == [["compiled c"]]
     assert failures == [] and [c for _, c in done] == [["compiled a"], ["compiled b"]]
-    assert all(name.startswith("fullcg-triton-build") for name in threads if not name.startswith("load "))
+    import threading
+
+    me = threading.current_thread().name
+    assert all(name.startswith("fullcg-triton-build") or name == me for name in threads if not name.startswith("load "))
+    assert not any(name.startswith("caller") for name in threads)
 
 
 def test_a_hook_failing_as_compiles_finish_is_reported_and_leaves_no_compile_mode_behind(compiled_builds, monkeypatch):
