@@ -842,8 +842,7 @@ def _compile_all(planned: Sequence[tuple[Kernel, Sequence[tuple[Any, tuple[Any, 
             except Exception as exc:  # noqa: BLE001 - reported with the kernel's name
                 failures.append(f"{kernel.name}: {type(exc).__name__}: {exc}")
         unique = list({id(k): k for _, compiled in done for k in compiled if k is not None}.values())
-        loaded = pool.map(_load, unique, [device] * len(unique)) if pool is not None else map(
-            _load, unique, [device] * len(unique))
+        loaded = (pool.map if pool is not None else map)(_load, unique, [device] * len(unique))
         errors = {id(k): error for k, error in zip(unique, loaded) if error is not None}
     finally:
         if pool is not None:

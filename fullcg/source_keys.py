@@ -21,8 +21,9 @@ computes it to look up every kernel it has not loaded yet), and after it Triton'
 driver object (its first use builds a C module with the host's compiler on a fresh
 machine, a few tenths of a second, and loads it), so :func:`prefetch_triton` starts those
 two alone, when the first fullcg attention layer is made in a process using CUDA, or else
-when the first KV cache is put on a GPU: the model's weights are built or loaded meanwhile, and the kernel build waits for the thread
-(:func:`wait_for_triton`) rather than doing its work a second time beside it.
+when the first KV cache is put on a GPU: the model's weights are built or loaded
+meanwhile, and the kernel build waits for the thread (:func:`wait_for_triton`) rather than
+doing its work a second time beside it.
 """
 
 from __future__ import annotations

@@ -78,16 +78,18 @@ def test_compilers_without_inductor_do_not_hash_its_sources(fresh, monkeypatch, 
     assert calls == [] and not source_keys._started
 
 
-def test_the_first_attention_layer_on_a_gpu_machine_hashes_tritons_sources_in_the_background(fresh, monkeypatch):
+def test_the_first_attention_layer_in_a_process_using_cuda_hashes_tritons_sources_in_the_background(fresh, monkeypatch):
     # Without Inductor, Triton's key is what the first kernel lookup waits for; the layers
     # are made before the weights are loaded, so the hash runs meanwhile.
     threads, done = _triton_key_spy(monkeypatch)
     monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: True)
     fullcg.Attention(2, 8, layer_id=0)
     assert done.wait(30), "Triton's key was not computed"
+    first = source_keys._triton_thread
     fullcg.Attention(2, 8, layer_id=1)
-    time.sleep(0.05)
-    assert threads == ["fullcg-triton-key"], "once per process, on a thread of its own"
+    assert source_keys._triton_thread is first, "once per process"
+    source_keys.wait_for_triton()
+    assert threads == ["fullcg-triton-key"], "on a thread of its own"
 
 
 def test_the_background_thread_also_makes_tritons_driver(fresh, monkeypatch):
@@ -103,12 +105,11 @@ def test_the_background_thread_also_makes_tritons_driver(fresh, monkeypatch):
     assert threads == ["fullcg-triton-key"] and made == ["fullcg-triton-key"]
 
 
-def test_without_a_gpu_no_layer_hashes_tritons_sources(fresh, monkeypatch):
+def test_without_cuda_in_use_no_layer_hashes_tritons_sources(fresh, monkeypatch):
     threads, _ = _triton_key_spy(monkeypatch)
     monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: False)
     fullcg.Attention(2, 8, layer_id=0)
-    time.sleep(0.05)
-    assert threads == []
+    assert source_keys._triton_thread is None and threads == []
 
 
 def test_a_process_that_prefetched_both_keys_does_not_hash_tritons_again(fresh, monkeypatch):
@@ -116,8 +117,7 @@ def test_a_process_that_prefetched_both_keys_does_not_hash_tritons_again(fresh, 
     monkeypatch.setattr(source_keys, "_cuda_in_use", lambda: True)
     monkeypatch.setattr(source_keys, "_started", True)
     source_keys.prefetch_triton()
-    time.sleep(0.05)
-    assert threads == []
+    assert source_keys._triton_thread is None and threads == []
 
 
 def test_keys_without_a_prefetch_of_their_own_are_computed_on_a_background_thread(fresh, monkeypatch):
